@@ -1,0 +1,211 @@
+"""The ``commsim`` command line: thin wrappers over the library, one subcommand each.
+
+Bad input (a missing file, an invalid schedule, a flag out of range) ends with exit
+status 2 and one line on stderr naming the file, field or flag and what is allowed;
+outputs are written atomically, so nothing is half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from commsim import __version__
+from commsim.ir.errors import CommsimInputError
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line (and still exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CommsimInputError(f"{self.prog}: {message} (see '{self.prog} --help')")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+# ---------------------------------------------------------------- validate / show
+
+
+def load_schedule_any(path: str):
+    """A schedule from its JSON form or its text form (by content)."""
+    from commsim.ir.serialize import load_schedule
+    from commsim.ir.text import HEADER, schedule_from_text
+    from commsim.ir.errors import ScheduleFormatError
+
+    p = Path(path)
+    try:
+        head = p.open().read(len(HEADER))
+    except OSError as e:
+        raise ScheduleFormatError(f"{p}: cannot read: {e.strerror}") from None
+    if head == HEADER:
+        try:
+            return schedule_from_text(p.read_text())
+        except ScheduleFormatError as e:
+            raise ScheduleFormatError(f"{p}: {e}") from None
+    return load_schedule(p)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from commsim.ir.validate import validate
+
+    schedule = load_schedule_any(args.file)
+    findings = validate(schedule)
+    if findings:
+        shown = findings if args.all else findings[:1]
+        for f in shown:
+            print(f"{args.file}: {f.line()}", file=sys.stderr)
+        if not args.all and len(findings) > 1:
+            print(f"{args.file}: ... and {len(findings) - 1} more (--all lists them)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    n_ops = sum(len(schedule.program_of(r).step) for r in range(schedule.world_size))
+    print(
+        f"{args.file}: valid: {schedule.world_size} ranks, {len(schedule.programs)} distinct program(s), "
+        f"{n_ops} step ops in all"
+    )
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from commsim.ir.text import schedule_to_text
+    from commsim.util.files import atomic_write_text
+
+    text = schedule_to_text(load_schedule_any(args.file))
+    if args.output:
+        atomic_write_text(args.output, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+# ---------------------------------------------------------------- models
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from commsim.models import MODEL_PRESETS, describe, resolve_model
+
+    if not args.model:
+        rows = []
+        for name, cfg in MODEL_PRESETS.items():
+            d = describe(cfg, 1, min(cfg.max_positions, 128))
+            rows.append((name, cfg.family, cfg.layers, cfg.hidden, cfg.heads, cfg.ffn, cfg.vocab, d.num_params))
+        if args.json:
+            keys = ("name", "family", "layers", "hidden", "heads", "ffn", "vocab", "params")
+            print(json.dumps([dict(zip(keys, r)) for r in rows], indent=1))
+            return 0
+        print(f"{'model':<15}{'family':<9}{'layers':>7}{'hidden':>8}{'heads':>6}{'ffn':>7}{'vocab':>7}{'params':>17}")
+        for r in rows:
+            print(f"{r[0]:<15}{r[1]:<9}{r[2]:>7}{r[3]:>8}{r[4]:>6}{r[5]:>7}{r[6]:>7}{r[7]:>17,}")
+        return 0
+    cfg = resolve_model(args.model)
+    d = describe(cfg, args.micro_batch, args.seq)
+    info = {
+        "model": d.name,
+        "family": cfg.family,
+        "micro_batch": d.micro_batch,
+        "seq_len": d.seq_len,
+        "params": d.param_breakdown(),
+        "flops_per_micro_batch": {
+            "forward": d.forward_flops(),
+            "backward": d.backward_flops(),
+            "recompute": d.recompute_flops(),
+        },
+        "submodules": len(d.modules),
+    }
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"{d.name} ({cfg.family}): {d.num_params:,} parameters, {len(d.modules)} submodules")
+    for k, v in info["params"].items():
+        if k != "total":
+            print(f"  {k:<15}{v:>17,}")
+    f = info["flops_per_micro_batch"]
+    print(f"flops per micro-batch of {d.micro_batch} x {d.seq_len} tokens:")
+    for k in ("forward", "backward", "recompute"):
+        print(f"  {k:<15}{f[k] / 1e12:>14.3f} TFLOP")
+    return 0
+
+
+# ---------------------------------------------------------------- predict
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    raise CommsimInputError(
+        "commsim predict: the simulator is not part of this build yet; "
+        "'commsim schedule' and 'commsim validate' work today"
+    )
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="commsim",
+        description="Predict, and check on real hardware, how communication overlaps compute "
+        "in sharded data-parallel training (DeepSpeed ZeRO, FSDP).",
+    )
+    parser.add_argument("--version", action="version", version=f"commsim {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("validate", help="check that a schedule would run (deps, buffers, matching collectives)",
+                       description="Check a schedule file (JSON or text form): dependencies exist and are acyclic, "
+                       "buffers are allocated before use and freed once, and every group's collectives appear in "
+                       "the same order with the same sizes on all its members. Exit 2 and one line if not.")
+    p.add_argument("file", help="schedule file (.json, or the text form)")
+    p.add_argument("--all", action="store_true", help="list every problem, not only the first")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("show", help="print a schedule in the one-line-per-op text form",
+                       description="Print a schedule as text, one line per op: for diffs and golden files.")
+    p.add_argument("file", help="schedule file")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("models", help="list model presets, or show one model's parameters and flops",
+                       description="Without MODEL: the presets. With MODEL (a preset or a Hugging Face "
+                       "config.json): parameter counts by category and flops per micro-batch.")
+    p.add_argument("model", nargs="?", help="preset name or path to a config.json")
+    p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument("--seq", type=_positive_int, default=512, help="sequence length in tokens (default 512)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("predict", help="simulate a training step and report step time, overlap and stalls",
+                       description="Simulate one training step (not yet available in this build).")
+    p.add_argument("--net", choices=("efa", "ib"), default="efa", help="inter-node fabric (default efa)")
+    p.set_defaults(func=cmd_predict)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return EXIT_BAD_INPUT
+        func: Callable[[argparse.Namespace], int] = args.func
+        return func(args)
+    except CommsimInputError as e:
+        print(f"commsim: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("commsim: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""A ``Schedule``: one training step for every rank, as programs of IR ops.
+
+Ranks whose programs are identical share one ``Program`` (``rank_program`` maps each
+global rank to an index into ``programs``), which keeps schedules of thousands of
+ranks small and lets the simulator exploit the symmetry.
+
+A program has a ``setup`` part (allocations of state that lives across steps:
+parameter shards, optimizer state; run once, not timed) and a ``step`` part (one
+training step; run once per measured step, so it must free what it allocates).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from commsim.ir.ops import Alloc, Op, OpId
+
+SCHEMA_VERSION = 1
+
+KnobValue = bool | int | float | str
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleMeta:
+    """What produced a schedule: model, strategy, knob settings, generator version."""
+
+    model: str = ""
+    strategy: str = ""
+    knobs: tuple[tuple[str, KnobValue], ...] = ()
+    generator: str = ""
+    description: str = ""
+
+    def knob(self, name: str) -> KnobValue | None:
+        for key, value in self.knobs:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """One rank's ops: ``setup`` (persistent allocations) then one ``step``."""
+
+    setup: tuple[Alloc, ...]
+    step: tuple[Op, ...]
+
+    def all_ops(self) -> Iterator[Op]:
+        yield from self.setup
+        yield from self.step
+
+    def by_id(self) -> dict[OpId, Op]:
+        return {op.id: op for op in self.all_ops()}
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    world_size: int
+    programs: tuple[Program, ...]
+    rank_program: tuple[int, ...]  # global rank -> index into programs
+    meta: ScheduleMeta = field(default_factory=ScheduleMeta)
+    version: int = SCHEMA_VERSION
+
+    def program_of(self, rank: int) -> Program:
+        return self.programs[self.rank_program[rank]]
+
+    def ranks_of_program(self, index: int) -> tuple[int, ...]:
+        return tuple(r for r, p in enumerate(self.rank_program) if p == index)
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON form: names a schedule in traces."""
+        from commsim.ir.serialize import schedule_to_json
+
+        return hashlib.sha256(schedule_to_json(self, indent=None).encode()).hexdigest()
+
+    @staticmethod
+    def uniform(world_size: int, program: Program, meta: ScheduleMeta | None = None) -> "Schedule":
+        """Every rank runs the same program."""
+        return Schedule(
+            world_size=world_size,
+            programs=(program,),
+            rank_program=(0,) * world_size,
+            meta=meta or ScheduleMeta(),
+        )
+
+    @staticmethod
+    def from_rank_programs(programs: list[Program], meta: ScheduleMeta | None = None) -> "Schedule":
+        """Build from one program per rank, sharing equal programs."""
+        unique: list[Program] = []
+        index: dict[Program, int] = {}
+        mapping = []
+        for p in programs:
+            if p not in index:
+                index[p] = len(unique)
+                unique.append(p)
+            mapping.append(index[p])
+        return Schedule(
+            world_size=len(programs),
+            programs=tuple(unique),
+            rank_program=tuple(mapping),
+            meta=meta or ScheduleMeta(),
+        )

@@ -1,0 +1,96 @@
+"""Read a local Hugging Face ``config.json`` into a ``TransformerConfig``.
+
+Supported ``model_type``s: bert, roberta (and xlm-roberta), gpt2, llama (and mistral,
+which shares Llama's module tree). The file is only read, never downloaded. Missing
+or invalid fields are reported with the file and the field name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from commsim.ir.errors import CommsimInputError
+from commsim.models.transformer import TransformerConfig
+
+SUPPORTED = ("bert", "roberta", "xlm-roberta", "gpt2", "llama", "mistral")
+
+
+def _get(cfg: dict[str, Any], path: Path, *keys: str, default: int | None = None) -> int:
+    """The first present integer among ``keys`` (HF renamed some fields over time)."""
+    for k in keys:
+        v = cfg.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise CommsimInputError(f"{path}: field {k!r} must be a positive integer, got {v!r}")
+        return v
+    if default is None:
+        raise CommsimInputError(f"{path}: missing field {' or '.join(repr(k) for k in keys)}")
+    return default
+
+
+def _get_bool(cfg: dict[str, Any], path: Path, key: str, default: bool) -> bool:
+    v = cfg.get(key, default)
+    if not isinstance(v, bool):
+        raise CommsimInputError(f"{path}: field {key!r} must be true or false, got {v!r}")
+    return v
+
+
+def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConfig:
+    path = Path(path)
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as e:
+        raise CommsimInputError(f"{path}: cannot read: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise CommsimInputError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    if not isinstance(cfg, dict):
+        raise CommsimInputError(f"{path}: a config.json holds one JSON object")
+    mtype = cfg.get("model_type")
+    if mtype not in SUPPORTED:
+        raise CommsimInputError(f"{path}: model_type {mtype!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    name = name or cfg.get("_name_or_path") or path.parent.name or path.stem
+    if mtype in ("bert", "roberta", "xlm-roberta"):
+        return TransformerConfig(
+            name=name,
+            family="bert" if mtype == "bert" else "roberta",
+            layers=_get(cfg, path, "num_hidden_layers"),
+            hidden=_get(cfg, path, "hidden_size"),
+            heads=_get(cfg, path, "num_attention_heads"),
+            ffn=_get(cfg, path, "intermediate_size"),
+            vocab=_get(cfg, path, "vocab_size"),
+            max_positions=_get(cfg, path, "max_position_embeddings", default=512),
+            type_vocab=_get(cfg, path, "type_vocab_size", default=2),
+            tie_embeddings=_get_bool(cfg, path, "tie_word_embeddings", True),
+        )
+    if mtype == "gpt2":
+        hidden = _get(cfg, path, "n_embd", "hidden_size")
+        return TransformerConfig(
+            name=name,
+            family="gpt2",
+            layers=_get(cfg, path, "n_layer", "num_hidden_layers"),
+            hidden=hidden,
+            heads=_get(cfg, path, "n_head", "num_attention_heads"),
+            ffn=_get(cfg, path, "n_inner", default=4 * hidden),
+            vocab=_get(cfg, path, "vocab_size"),
+            max_positions=_get(cfg, path, "n_positions", "max_position_embeddings", default=1024),
+            tie_embeddings=_get_bool(cfg, path, "tie_word_embeddings", True),
+        )
+    heads = _get(cfg, path, "num_attention_heads")
+    for unsupported in ("attention_bias", "mlp_bias"):
+        if cfg.get(unsupported):
+            raise CommsimInputError(f"{path}: field {unsupported!r}=true is not supported (Llama without biases only)")
+    return TransformerConfig(
+        name=name,
+        family="llama",
+        layers=_get(cfg, path, "num_hidden_layers"),
+        hidden=_get(cfg, path, "hidden_size"),
+        heads=heads,
+        kv_heads=_get(cfg, path, "num_key_value_heads", default=heads),
+        ffn=_get(cfg, path, "intermediate_size"),
+        vocab=_get(cfg, path, "vocab_size"),
+        max_positions=_get(cfg, path, "max_position_embeddings", default=4096),
+        tie_embeddings=_get_bool(cfg, path, "tie_word_embeddings", False),
+    )

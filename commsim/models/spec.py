@@ -1,0 +1,162 @@
+"""Torch-free model descriptions: the submodule tree that ZeRO's hooks see.
+
+A ``ModelDescription`` lists the model's leaf submodules in forward execution order.
+Each ``ModuleSpec`` carries the parameters it owns directly (what a ZeRO-3 fetch of
+that submodule gathers; a tied parameter appears under every module that uses it, with
+one name) and the kernels its forward and backward run at a given micro-batch and
+sequence length. Parameter-free submodules (attention core, activations, the loss)
+carry compute only.
+
+Descriptions come from the transformer catalogue (``commsim.models.transformer``),
+from a Hugging Face ``config.json`` (``commsim.models.hf``) or from a real
+``torch.nn.Module`` walked on the meta device (``runtime.model_walk``); all produce
+the same structure.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from math import prod
+
+from commsim.ir.ops import ComputeKind, GemmShape
+
+
+class ModuleKind(enum.Enum):
+    EMBEDDING = "embedding"
+    LINEAR = "linear"
+    NORM = "norm"  # LayerNorm / RMSNorm
+    ATTENTION = "attention"  # the parameter-free score / softmax / context part
+    ACTIVATION = "activation"  # GELU, SiLU*up, dropout: parameter-free elementwise
+    LOSS = "loss"  # cross-entropy over the vocabulary
+    OTHER = "other"
+
+
+class Role(enum.Enum):
+    """Which published parameter category a module's parameters count toward."""
+
+    EMBEDDING = "embedding"
+    ATTENTION_QKV = "attention_qkv"
+    ATTENTION_OUT = "attention_out"
+    MLP = "mlp"
+    NORM = "norm"
+    LM_HEAD = "lm_head"
+    POOLER = "pooler"
+    NONE = "none"  # parameter-free
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    name: str  # canonical (first owner's) dotted name; tied parameters share it
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One kernel of a module's forward or backward (a gemm, an elementwise pass, ...)."""
+
+    name: str  # suffix for labels: "fwd", "dgrad", "wgrad", ...
+    kind: ComputeKind
+    flops: int
+    bytes_read: int
+    bytes_written: int
+    gemm: GemmShape | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleSpec:
+    path: str  # dotted module path, as named_modules() would give
+    kind: ModuleKind
+    role: Role
+    params: tuple[ParamSpec, ...]  # parameters owned directly (recurse=False)
+    block: int | None  # transformer layer index: the activation-checkpointing unit
+    fwd: tuple[Kernel, ...]
+    bwd: tuple[Kernel, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(k.flops for k in self.fwd)
+
+    @property
+    def bwd_flops(self) -> int:
+        return sum(k.flops for k in self.bwd)
+
+
+@dataclass(frozen=True, slots=True)
+class ArchInfo:
+    """Shape facts the Megatron-LM flops formula needs (None for arbitrary modules)."""
+
+    layers: int
+    hidden: int
+    vocab: int
+    ffn: int
+    heads: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDescription:
+    name: str
+    modules: tuple[ModuleSpec, ...]  # forward execution order
+    micro_batch: int
+    seq_len: int
+    dtype_bytes: int  # bytes per element of 16-bit params / activations
+    arch: ArchInfo | None = None
+
+    # ------------------------------------------------------------ parameters
+    def unique_params(self) -> tuple[ParamSpec, ...]:
+        """Each parameter once, in order of first use."""
+        seen: dict[str, ParamSpec] = {}
+        for m in self.modules:
+            for p in m.params:
+                if p.name in seen:
+                    assert seen[p.name].shape == p.shape, f"tied parameter {p.name} has two shapes"
+                else:
+                    seen[p.name] = p
+        return tuple(seen.values())
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.unique_params())
+
+    def param_breakdown(self) -> dict[str, int]:
+        """Parameter counts by category (each parameter counted once, under its first owner)."""
+        out: dict[str, int] = {r.value: 0 for r in Role if r is not Role.NONE}
+        out["biases"] = 0
+        seen: set[str] = set()
+        for m in self.modules:
+            for p in m.params:
+                if p.name in seen:
+                    continue
+                seen.add(p.name)
+                out[m.role.value] += p.numel
+                if p.name.endswith("bias"):
+                    out["biases"] += p.numel
+        out["total"] = self.num_params
+        return out
+
+    # ------------------------------------------------------------ flops
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    def forward_flops(self) -> int:
+        return sum(m.fwd_flops for m in self.modules)
+
+    def backward_flops(self) -> int:
+        return sum(m.bwd_flops for m in self.modules)
+
+    def recompute_flops(self) -> int:
+        """Forward flops re-run by layer-wise activation checkpointing."""
+        return sum(m.fwd_flops for m in self.modules if m.block is not None)
+
+    def num_blocks(self) -> int:
+        blocks = {m.block for m in self.modules if m.block is not None}
+        return len(blocks)

@@ -1,0 +1,1 @@
+"""Small shared helpers with no domain knowledge."""

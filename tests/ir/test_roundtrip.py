@@ -1,0 +1,75 @@
+"""JSON and text forms round-trip to equal schedules; loaders refuse bad files clearly."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+
+from commsim.ir import ScheduleFormatError, schedule_from_json, schedule_from_text, schedule_to_json, schedule_to_text
+from commsim.ir.serialize import load_schedule, save_schedule
+from commsim.ir.validate import validate
+from tests.strategies import schedules
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_generated_schedules_are_valid_and_round_trip(schedule):
+    assert validate(schedule) == []
+    assert schedule_from_json(schedule_to_json(schedule)) == schedule
+    assert schedule_from_text(schedule_to_text(schedule)) == schedule
+
+
+def test_save_and_load(tmp_path, tiny_schedule):
+    path = tmp_path / "s.json"
+    save_schedule(tiny_schedule, path)
+    assert load_schedule(path) == tiny_schedule
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary left behind
+
+
+def test_unknown_schema_version_is_refused(tiny_schedule):
+    obj = json.loads(schedule_to_json(tiny_schedule))
+    obj["schema_version"] = 99
+    with pytest.raises(ScheduleFormatError, match=r"unsupported schema version 99; this commsim reads version 1"):
+        schedule_from_json(json.dumps(obj))
+
+
+def test_bad_field_is_located(tiny_schedule):
+    obj = json.loads(schedule_to_json(tiny_schedule))
+    obj["programs"][0]["step"][0]["size_bytes"] = "big"
+    with pytest.raises(ScheduleFormatError, match=r"^\$\.programs\[0\]\.step\[0\]\.size_bytes: expected an integer, got 'big'$"):
+        schedule_from_json(json.dumps(obj))
+
+
+def test_unknown_op_and_field(tiny_schedule):
+    obj = json.loads(schedule_to_json(tiny_schedule))
+    obj["programs"][0]["step"][0]["op"] = "teleport"
+    with pytest.raises(ScheduleFormatError, match=r"step\[0\]: unknown op 'teleport'; allowed: compute, collective"):
+        schedule_from_json(json.dumps(obj))
+    obj = json.loads(schedule_to_json(tiny_schedule))
+    obj["programs"][0]["step"][0]["colour"] = 1
+    with pytest.raises(ScheduleFormatError, match=r"unknown field\(s\) colour for Collective"):
+        schedule_from_json(json.dumps(obj))
+
+
+def test_bad_enum_lists_allowed(tiny_schedule):
+    obj = json.loads(schedule_to_json(tiny_schedule))
+    obj["programs"][0]["step"][0]["dtype"] = "fp8"
+    with pytest.raises(ScheduleFormatError, match=r"'fp8' is not one of 'fp32', 'fp16', 'bf16'"):
+        schedule_from_json(json.dumps(obj))
+
+
+def test_not_json():
+    with pytest.raises(ScheduleFormatError, match=r"^not valid JSON \(line 1, column 2\): Expecting property name"):
+        schedule_from_json("{{")
+
+
+def test_text_form_exact(tiny_schedule):
+    assert schedule_to_text(tiny_schedule).splitlines()[4:] == [
+        "program 0",
+        "setup",
+        '  0 alloc stream=compute buffer=w size_bytes=4096 label="init w"',
+        "step",
+        '  1 collective stream=allgather kind=all_gather size_bytes=8192 dtype=bf16 group=0,1 buffers=w label="fetch \\"w\\""',
+        '  2 compute stream=compute kind=gemm flops=1024 bytes_read=10 bytes_written=10 gemm=8x8x8x1 deps=1 buffers=w label="fwd"',
+        '  3 host_sync scope=device label="sync"',
+    ]

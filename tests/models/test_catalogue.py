@@ -1,0 +1,134 @@
+"""Parameter counts match published totals; flops match the Megatron-LM terms exactly."""
+
+import json
+
+import pytest
+
+from commsim.ir.errors import CommsimInputError
+from commsim.models import MODEL_PRESETS, describe, load_hf_config, resolve_model
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [
+        ("roberta-base", 125e6),
+        ("roberta-large", 355e6),
+        ("roberta-10b", 10.3e9),
+        ("roberta-50b", 52e9),
+        ("gpt3-175b", 175e9),
+        ("llama2-7b", 6.74e9),
+        ("llama2-13b", 13.0e9),
+        ("llama2-70b", 69.0e9),
+    ],
+)
+def test_published_totals_within_one_percent(name, published):
+    n = describe(MODEL_PRESETS[name], 1, 512).num_params
+    assert abs(n - published) / published <= 0.01, n
+
+
+def test_exact_counts():
+    # Hand counts: RobertaForMaskedLM (tied decoder weight, own bias) and LlamaForCausalLM.
+    assert describe(MODEL_PRESETS["roberta-base"], 1, 512).num_params == 124_697_433
+    assert describe(MODEL_PRESETS["llama2-7b"], 1, 512).num_params == 6_738_415_616
+    assert describe(MODEL_PRESETS["llama2-70b"], 1, 512).num_params == 68_976_648_192
+
+
+def test_roberta_base_breakdown():
+    b = describe(MODEL_PRESETS["roberta-base"], 1, 512).param_breakdown()
+    h, v, L = 768, 50265, 12
+    assert b["embedding"] == v * h + 514 * h + 1 * h
+    assert b["attention_qkv"] == L * 3 * (h * h + h)
+    assert b["attention_out"] == L * (h * h + h)
+    assert b["mlp"] == L * (2 * h * 3072 + 3072 + h)
+    assert b["norm"] == (2 * L + 2) * 2 * h
+    assert b["lm_head"] == h * h + h + v  # decoder weight is the tied embedding
+    # q,k,v,o + intermediate + output + 2 LayerNorms per layer; embeddings LN; head dense, LN, decoder
+    assert b["biases"] == L * (4 * h + 3072 + h + 2 * h) + h + 2 * h + v
+
+
+def test_tied_weight_appears_under_both_modules_once_counted():
+    d = describe(MODEL_PRESETS["tiny"], 2, 16)
+    owners = [m.path for m in d.modules if any(p.name == "roberta.embeddings.word_embeddings.weight" for p in m.params)]
+    assert owners == ["roberta.embeddings.word_embeddings", "lm_head.decoder"]
+
+
+@pytest.mark.parametrize("name", ["roberta-10b", "roberta-50b", "gpt3-175b"])
+def test_gemm_flops_match_megatron_terms(name):
+    # Narayanan et al. 2021: forward = 24 B s L h^2 + 4 B s^2 L h + 2 B s h V for ffn = 4h,
+    # excluding the LM-head dense layer (RoBERTa) which the formula omits.
+    cfg = MODEL_PRESETS[name]
+    B, s = 2, 512
+    d = describe(cfg, B, s)
+    gemm = sum(k.flops for m in d.modules for k in m.fwd if k.kind.value in ("gemm",))
+    attn = sum(4 * B * s * s * cfg.hidden for m in d.modules if m.kind.value == "attention")
+    extra = 2 * B * s * cfg.hidden * cfg.hidden if cfg.family == "roberta" else 0
+    h, L, V = cfg.hidden, cfg.layers, cfg.vocab
+    assert gemm + attn - extra == 24 * B * s * L * h * h + 4 * B * s * s * L * h + 2 * B * s * h * V
+    # backward gemms are exactly twice the forward ones; recompute = one forward of the layers
+    bwd_gemm = sum(k.flops for m in d.modules for k in m.bwd if k.kind.value == "gemm")
+    assert bwd_gemm == 2 * gemm
+    assert d.recompute_flops() == sum(m.fwd_flops for m in d.modules if m.block is not None)
+
+
+def test_execution_order_of_a_roberta_layer():
+    d = describe(MODEL_PRESETS["tiny"], 1, 8)
+    layer0 = [m.path.removeprefix("roberta.encoder.layer.0.") for m in d.modules if m.block == 0]
+    assert layer0 == [
+        "attention.self.query", "attention.self.key", "attention.self.value", "attention.self",
+        "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
+        "intermediate.intermediate_act_fn", "output.dense", "output.LayerNorm",
+    ]
+
+
+def test_sequence_longer_than_positions_is_refused():
+    with pytest.raises(CommsimInputError, match="sequence length 600 exceeds its 514 learned positions"):
+        describe(MODEL_PRESETS["roberta-base"], 1, 600)
+
+
+ROBERTA_BASE_CONFIG = {
+    "architectures": ["RobertaForMaskedLM"], "model_type": "roberta", "hidden_size": 768,
+    "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+    "vocab_size": 50265, "max_position_embeddings": 514, "type_vocab_size": 1,
+}
+LLAMA2_7B_CONFIG = {
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "tie_word_embeddings": False,
+}
+GPT2_CONFIG = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+               "n_positions": 1024, "n_inner": None}
+
+
+@pytest.mark.parametrize("config, preset", [(ROBERTA_BASE_CONFIG, "roberta-base"), (LLAMA2_7B_CONFIG, "llama2-7b")])
+def test_hf_config_matches_preset(tmp_path, config, preset):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    loaded = describe(resolve_model(str(path)), 1, 128)
+    ref = describe(MODEL_PRESETS[preset], 1, 128)
+    assert loaded.modules == ref.modules
+
+
+def test_hf_gpt2_small(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GPT2_CONFIG))
+    assert describe(load_hf_config(path), 1, 128).num_params == 124_439_808  # GPT-2 small, published 124M
+
+
+def test_hf_config_errors(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(CommsimInputError, match=r"config.json: model_type 't5' is not supported; supported: bert"):
+        load_hf_config(path)
+    path.write_text(json.dumps({**ROBERTA_BASE_CONFIG, "hidden_size": "wide"}))
+    with pytest.raises(CommsimInputError, match=r"config.json: field 'hidden_size' must be a positive integer, got 'wide'"):
+        load_hf_config(path)
+    del ROBERTA_BASE_CONFIG["vocab_size"]
+    path.write_text(json.dumps(ROBERTA_BASE_CONFIG))
+    ROBERTA_BASE_CONFIG["vocab_size"] = 50265
+    with pytest.raises(CommsimInputError, match=r"config.json: missing field 'vocab_size'"):
+        load_hf_config(path)
+
+
+def test_unknown_model_lists_presets():
+    with pytest.raises(CommsimInputError, match=r"--model 'roberta-3b': not a preset .*presets: roberta-base, roberta-large"):
+        resolve_model("roberta-3b")
