@@ -138,6 +138,81 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- schedule
+
+
+def build_schedule(args: argparse.Namespace):
+    """The schedule the generator/predict flags describe (shared by schedule and predict)."""
+    from commsim.models import describe, resolve_model
+    from commsim.strategies import World, generate
+    from commsim.strategies.dsconfig import check_batch, load_ds_config, parse_ds_config
+    from commsim.strategies.knobs import knobs_from
+
+    if args.ds_config:
+        ds = load_ds_config(args.ds_config)
+        where = args.ds_config
+    else:
+        # The seed scenario's config: ZeRO-3, bf16, DeepSpeed's defaults otherwise.
+        ds = parse_ds_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": args.stage or 3}},
+                             "default ds_config")
+        where = "default ds_config"
+    if args.stage is not None and args.ds_config and args.stage != ds.zero.stage:
+        raise CommsimInputError(f"--stage {args.stage} contradicts {where}: zero_optimization.stage {ds.zero.stage}")
+    for w in ds.warnings:
+        print(f"commsim: warning: {w}", file=sys.stderr)
+    world = World(args.nodes, args.gpus_per_node)
+    micro, gas = check_batch(ds, world.size, where)
+    if args.micro_batch is not None:
+        if ds.train_micro_batch_size_per_gpu not in (None, args.micro_batch):
+            raise CommsimInputError(f"--micro-batch {args.micro_batch} contradicts {where}: "
+                                    f"train_micro_batch_size_per_gpu {ds.train_micro_batch_size_per_gpu}")
+        micro = args.micro_batch
+    elif ds.train_micro_batch_size_per_gpu is None and ds.train_batch_size is None:
+        micro = 16  # the seed scenario
+    md = describe(resolve_model(args.model), micro, args.seq, ds.param_dtype_bytes)
+    knobs = knobs_from(args.preset, args.knob or [])
+    return generate(md, world, ds, knobs, checkpointing=not args.no_checkpointing, grad_accum=gas,
+                    preset=args.preset)
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from commsim.ir.serialize import save_schedule
+    from commsim.ir.text import schedule_to_text
+    from commsim.strategies.summary import format_summary
+    from commsim.util.files import atomic_write_text
+
+    schedule = build_schedule(args)
+    if args.output:
+        if args.output.endswith(".txt"):
+            atomic_write_text(args.output, schedule_to_text(schedule))
+        else:
+            save_schedule(schedule, args.output)
+    if args.summary or not args.output:
+        print(format_summary(schedule))
+    return 0
+
+
+def add_scenario_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that describe a model, a world and a DeepSpeed config (schedule, predict)."""
+    p.add_argument("--model", default="roberta-10b",
+                   help="model preset or path to a Hugging Face config.json (default roberta-10b)")
+    p.add_argument("--nodes", type=_positive_int, default=8, help="number of nodes (default 8)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--ds-config", metavar="FILE",
+                   help="DeepSpeed config JSON (default: ZeRO-3, bf16, DeepSpeed's defaults)")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 3, or the config's)")
+    p.add_argument("--preset", default="optimized", help="knob preset: optimized (default) or baseline")
+    p.add_argument("--knob", action="append", metavar="NAME=VALUE",
+                   help="override one knob, e.g. --knob coalesced_collectives=false (repeatable); knobs: "
+                   "fine_grained_sync, precomputed_fetch, coalesced_collectives, flat_collectives, "
+                   "defragment_persistent, fused_grad_norm, debug_string_ops, max_outstanding_coalesced")
+    p.add_argument("--micro-batch", type=_positive_int,
+                   help="sequences per GPU per micro-step (default: the config's, else 16)")
+    p.add_argument("--seq", type=_positive_int, default=512, help="sequence length (default 512)")
+    p.add_argument("--no-checkpointing", action="store_true",
+                   help="disable layer-wise activation checkpointing (on by default)")
+
+
 # ---------------------------------------------------------------- predict
 
 
@@ -182,6 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=_positive_int, default=512, help="sequence length in tokens (default 512)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("schedule", help="lower a model + DeepSpeed config into a schedule file",
+                       description="Generate one training step per rank as DeepSpeed would run it "
+                       "(ZeRO stage 3 so far), with the 2022 optimisations as knobs.")
+    add_scenario_flags(p)
+    p.add_argument("-o", "--output", metavar="FILE", help="write the schedule (.json, or .txt for the text form)")
+    p.add_argument("--summary", action="store_true", help="print ops, collectives and bytes per phase and stream")
+    p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("predict", help="simulate a training step and report step time, overlap and stalls",
                        description="Simulate one training step (not yet available in this build).")

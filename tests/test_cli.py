@@ -75,3 +75,22 @@ def test_help_lists_subcommands():
     assert out.returncode == 0
     for sub in ("validate", "show", "models", "predict"):
         assert sub in out.stdout
+
+
+def test_schedule_writes_a_valid_file_and_summary(tmp_path):
+    out_file = tmp_path / "s.json"
+    out = run("schedule", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2",
+              "--seq", "16", "-o", str(out_file), "--summary")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "DeepSpeed ZeRO-3 step of tiny on 1x2 GPUs"
+    assert run("validate", str(out_file)).returncode == 0
+
+
+def test_schedule_bad_ds_config_key(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"zero_optimization": {"stage": 3, "reduce_bucket": 5}}')
+    out = run("schedule", "--model", "tiny", "--ds-config", str(cfg), "-o", str(tmp_path / "s.json"))
+    assert out.returncode == 2
+    assert out.stderr == (f"commsim: error: {cfg}: zero_optimization.reduce_bucket: unknown key (DeepSpeed rejects "
+                          "it too); see deepspeed/runtime/zero/config.py\n")
+    assert not (tmp_path / "s.json").exists()

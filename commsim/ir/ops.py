@@ -129,7 +129,12 @@ class GemmShape:
 
 @dataclass(frozen=True, slots=True)
 class Compute:
-    """A kernel on a stream: ``flops`` arithmetic, ``bytes_read`` + ``bytes_written`` traffic."""
+    """A kernel on a stream: ``flops`` arithmetic, ``bytes_read`` + ``bytes_written`` traffic.
+
+    ``gemm`` is the matmul shape: for kind GEMM exactly the kernel (its flops equal
+    ``flops``); for ATTENTION the shape of each of its batched score / context matmuls,
+    which sets their efficiency while ``flops`` also counts softmax work.
+    """
 
     id: OpId
     stream: StreamName

@@ -9,8 +9,8 @@ Checks, in order, reporting each problem with the rank, the op's index and its t
   cannot wait on an event that has not been recorded yet; a host sync on it would
   block forever);
 * buffers: allocated before use, never allocated twice while live, freed at most once,
-  and every buffer allocated in the step freed by its end (otherwise memory grows
-  every step);
+  and the step ends with the same live buffers (and sizes) it began with: steady state
+  (otherwise memory grows or state is lost every step);
 * collectives: every member of a group issues that group's collectives in the same
   order with the same kind, size, dtype, reduce op and root; otherwise a real run
   hangs or corrupts data.
@@ -95,11 +95,11 @@ def _check_structure(program: Program, rank: int, world: int) -> list[Finding]:
                     bad("flops and bytes must not be negative", "size")
                 elif op.flops + op.bytes_read + op.bytes_written == 0:
                     bad("a compute op must do some flops or move some bytes", "size")
-                if op.gemm is not None:
+                if op.gemm is not None and op.kind is O.ComputeKind.GEMM:
                     g = op.gemm
                     if min(g.m, g.n, g.k, g.batch) <= 0:
                         bad("gemm dimensions must be positive", "size")
-                    elif g.flops != op.flops:
+                    elif g.flops != op.flops:  # a GEMM is exactly its shape
                         bad(f"flops {op.flops} differ from its gemm shape's {g.flops}")
             elif isinstance(op, O.Collective):
                 out.extend(_check_collective(op, rank, world, section, i))
@@ -237,14 +237,17 @@ def _find_cycle(preds: dict[O.OpId, list[O.OpId]]) -> list[O.OpId]:
 
 def _check_buffers(program: Program, rank: int) -> list[Finding]:
     out: list[Finding] = []
-    live: dict[str, str] = {}  # buffer -> section it was allocated in
+    live: dict[str, int] = {}  # buffer -> size
     freed: set[str] = set()
+    at_step_start: dict[str, int] = {}
     for section, seq in (("setup", program.setup), ("step", program.step)):
+        if section == "step":
+            at_step_start = dict(live)
         for i, op in enumerate(seq):
             if isinstance(op, O.Alloc):
                 if op.buffer in live:
                     out.append(_finding("buffer", f"allocates {op.buffer!r} again while it is live", rank, section, i, op))
-                live[op.buffer] = section
+                live[op.buffer] = op.size_bytes
                 freed.discard(op.buffer)
             elif isinstance(op, O.Free):
                 if op.buffer in live:
@@ -259,9 +262,15 @@ def _check_buffers(program: Program, rank: int) -> list[Finding]:
                     if b not in live:
                         what = "after it was freed" if b in freed else "before it is allocated"
                         out.append(_finding("buffer", f"uses {b!r} {what}", rank, section, i, op))
-    for b, section in live.items():
-        if section == "step":
+    # A step must leave memory as it found it, or every step would grow (or lose) state.
+    for b in live:
+        if b not in at_step_start:
             out.append(Finding("buffer", f"buffer {b!r} is allocated in the step and never freed (it would leak every step)", rank))
+        elif live[b] != at_step_start[b]:
+            out.append(Finding("buffer", f"buffer {b!r} ends the step with {live[b]} bytes, began it with {at_step_start[b]}", rank))
+    for b in at_step_start:
+        if b not in live:
+            out.append(Finding("buffer", f"buffer {b!r}, live when the step begins, is freed and not re-allocated by its end", rank))
     return out
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from commsim.ir import ScheduleFormatError, schedule_from_json, schedule_from_text, schedule_to_json, schedule_to_text
 from commsim.ir.serialize import load_schedule, save_schedule
 from commsim.ir.validate import validate
-from tests.strategies import schedules
+from tests.schedule_gen import schedules
 
 
 @settings(max_examples=150, deadline=None)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
 from commsim.ir.validate import validate
-from tests.strategies import schedules
+from tests.schedule_gen import schedules
 
 
 def _per_rank(schedule: Schedule) -> list[Program]:

@@ -1,0 +1,64 @@
+"""Generators that lower a model + a DeepSpeed config + knobs into a schedule.
+
+``generate()`` is the entry point used by the CLI and notebooks. Stage 3 follows
+DeepSpeed's coordinator (``zero3``); stages 0-2 are not lowered yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from commsim.ir.errors import CommsimInputError
+from commsim.ir.schedule import Schedule, ScheduleMeta
+from commsim.models.spec import ModelDescription
+from commsim.strategies.dsconfig import DeepSpeedConfig
+from commsim.strategies.knobs import HostCosts, Knobs
+from commsim.strategies.zero3 import Zero3Lowering
+
+GENERATOR_VERSION = "commsim.strategies 0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.nodes <= 0 or self.gpus_per_node <= 0:
+            raise CommsimInputError("--nodes and --gpus-per-node must be positive integers")
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Knobs,
+             checkpointing: bool = True, grad_accum: int = 1, costs: HostCosts | None = None,
+             preset: str = "") -> Schedule:
+    stage = ds.zero.stage
+    if stage != 3:
+        raise CommsimInputError(
+            f"ds_config: zero_optimization.stage {stage}: only stage 3 is lowered so far (stages 0-2 are in progress)"
+        )
+    lowering = Zero3Lowering(md, world.size, ds, knobs, costs or HostCosts(), checkpointing, grad_accum)
+    program = lowering.program()
+    meta = ScheduleMeta(
+        model=md.name,
+        strategy=f"zero{stage}",
+        knobs=(("preset", preset),) + knobs.as_pairs() + (
+            ("nodes", world.nodes), ("gpus_per_node", world.gpus_per_node), ("micro_batch", md.micro_batch),
+            ("seq_len", md.seq_len), ("precision", ds.precision), ("checkpointing", checkpointing),
+            ("grad_accum", grad_accum), ("overlap_comm", ds.zero.overlap_comm),
+            ("reduce_bucket_size", ds.zero.reduce_bucket_size),
+            ("prefetch_bucket_size", ds.zero.prefetch_bucket_size),
+            ("max_live_parameters", ds.zero.max_live_parameters),
+            ("max_reuse_distance", ds.zero.max_reuse_distance),
+            ("param_persistence_threshold", ds.zero.param_persistence_threshold),
+        ),
+        generator=GENERATOR_VERSION,
+        description=f"DeepSpeed ZeRO-{stage} step of {md.name} on {world.nodes}x{world.gpus_per_node} GPUs",
+    )
+    return Schedule.uniform(world.size, program, meta)
+
+
+__all__ = ["World", "generate", "GENERATOR_VERSION"]

@@ -1,0 +1,81 @@
+"""ProgramBuilder: appends IR ops for one rank with fresh ids and stream bookkeeping."""
+
+from __future__ import annotations
+
+from commsim.ir import ops as O
+from commsim.ir.schedule import Program
+
+
+class ProgramBuilder:
+    def __init__(self) -> None:
+        self._next = 0
+        self.setup: list[O.Alloc] = []
+        self.step: list[O.Op] = []
+        self.last_on_stream: dict[str, O.OpId] = {}
+
+    def _id(self) -> O.OpId:
+        self._next += 1
+        return O.OpId(self._next)
+
+    def _device(self, op: O.Op) -> O.OpId:
+        self.step.append(op)
+        self.last_on_stream[op.stream] = op.id
+        return op.id
+
+    def wait_stream(self, stream: str) -> tuple[O.OpId, ...]:
+        """Deps that make an op wait for everything queued on ``stream`` so far."""
+        last = self.last_on_stream.get(stream)
+        return (last,) if last is not None else ()
+
+    def setup_alloc(self, buffer: str, size_bytes: int, label: str, stream: str = "compute") -> None:
+        self.setup.append(O.Alloc(self._id(), stream, label, buffer, size_bytes))
+
+    def alloc(self, buffer: str, size_bytes: int, stream: str, label: str) -> O.OpId:
+        op = O.Alloc(self._id(), stream, label, buffer, size_bytes)
+        self.step.append(op)
+        return op.id
+
+    def free(self, buffer: str, stream: str, label: str) -> O.OpId:
+        op = O.Free(self._id(), stream, label, buffer)
+        self.step.append(op)
+        return op.id
+
+    def compute(self, stream: str, label: str, kind: O.ComputeKind, flops: int, bytes_read: int,
+                bytes_written: int, gemm: O.GemmShape | None = None, deps: tuple[O.OpId, ...] = (),
+                buffers: tuple[str, ...] = ()) -> O.OpId:
+        return self._device(O.Compute(self._id(), stream, label, kind, flops, bytes_read, bytes_written, gemm,
+                                      _dedup(deps), buffers))
+
+    def collective(self, stream: str, label: str, kind: O.CollectiveKind, size_bytes: int, dtype: O.DType,
+                   group: tuple[int, ...], reduce_op: O.ReduceOp | None = None, root: int | None = None,
+                   deps: tuple[O.OpId, ...] = (), buffers: tuple[str, ...] = ()) -> O.OpId:
+        return self._device(O.Collective(self._id(), stream, label, kind, size_bytes, dtype, group, reduce_op, root,
+                                         _dedup(deps), buffers))
+
+    def copy(self, stream: str, label: str, direction: O.CopyDirection, size_bytes: int,
+             deps: tuple[O.OpId, ...] = (), buffers: tuple[str, ...] = ()) -> O.OpId:
+        return self._device(O.Copy(self._id(), stream, label, direction, size_bytes, _dedup(deps), buffers))
+
+    def host(self, label: str, kind: O.HostKind, duration_ns: int) -> O.OpId | None:
+        if duration_ns <= 0:
+            return None
+        op = O.HostWork(self._id(), label, kind, duration_ns)
+        self.step.append(op)
+        return op.id
+
+    def sync_ops(self, deps: tuple[O.OpId, ...], label: str) -> None:
+        if deps:
+            self.step.append(O.HostSync(self._id(), label, O.SyncScope.OPS, deps=_dedup(deps)))
+
+    def sync_stream(self, stream: str, label: str) -> None:
+        self.step.append(O.HostSync(self._id(), label, O.SyncScope.STREAM, stream=stream))
+
+    def sync_device(self, label: str) -> None:
+        self.step.append(O.HostSync(self._id(), label, O.SyncScope.DEVICE))
+
+    def program(self) -> Program:
+        return Program(setup=tuple(self.setup), step=tuple(self.step))
+
+
+def _dedup(deps: tuple[O.OpId, ...]) -> tuple[O.OpId, ...]:
+    return tuple(dict.fromkeys(deps))

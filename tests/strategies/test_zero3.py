@@ -1,0 +1,199 @@
+"""ZeRO-3 lowering: valid schedules, DeepSpeed's byte counts and rules, knobs."""
+
+from dataclasses import fields
+from math import ceil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commsim.ir import ops as O
+from commsim.ir.validate import validate
+from commsim.models import MODEL_PRESETS, TransformerConfig, describe
+from commsim.strategies import World, generate
+from commsim.strategies.dsconfig import parse_ds_config
+from commsim.strategies.knobs import KNOB_PRESETS, Knobs, knobs_from
+from commsim.strategies.zero3 import module_trace
+
+
+def ds(**zero):
+    return parse_ds_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, **zero}})
+
+
+def colls(schedule, kind):
+    return [op for op in schedule.programs[0].step if isinstance(op, O.Collective) and op.kind is kind]
+
+
+@st.composite
+def small_models(draw):
+    family = draw(st.sampled_from(["roberta", "gpt2", "llama"]))
+    heads = draw(st.sampled_from([1, 2, 4]))
+    hidden = heads * draw(st.sampled_from([4, 8, 16]))
+    cfg = TransformerConfig("rand", family, layers=draw(st.integers(1, 3)), hidden=hidden, heads=heads,
+                            ffn=draw(st.sampled_from([16, 48, 64])), vocab=draw(st.integers(10, 300)),
+                            max_positions=64, kv_heads=heads if family != "llama" else draw(st.sampled_from([1, heads])),
+                            tie_embeddings=family != "llama")
+    return describe(cfg, draw(st.integers(1, 3)), draw(st.sampled_from([4, 16])))
+
+
+ZERO_KEYS = st.fixed_dictionaries({}, optional={
+    "reduce_bucket_size": st.integers(1, 20000),
+    "stage3_prefetch_bucket_size": st.integers(0, 20000),
+    "stage3_max_live_parameters": st.integers(0, 20000),
+    "stage3_max_reuse_distance": st.integers(0, 20000),
+    "stage3_param_persistence_threshold": st.integers(0, 2000),
+    "contiguous_gradients": st.booleans(),
+    "overlap_comm": st.booleans(),
+    "sub_group_size": st.integers(1, 50000),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(small_models(), st.integers(1, 4), ZERO_KEYS, st.sampled_from(["baseline", "optimized"]), st.booleans(),
+       st.integers(1, 2), st.sampled_from(["bf16", "fp16"]))
+def test_every_generated_schedule_is_valid_and_reduces_each_gradient_once(md, world, zero, preset, ckpt, gas, prec):
+    cfg = parse_ds_config({prec: {"enabled": True}, "zero_optimization": {"stage": 3, **zero}})
+    s = generate(md, World(1, world), cfg, KNOB_PRESETS[preset], checkpointing=ckpt, grad_accum=gas)
+    assert validate(s) == []
+    rs = sum(op.size_bytes for op in colls(s, O.CollectiveKind.REDUCE_SCATTER))
+    assert rs == gas * sum(world * ceil(p.numel / world) * 2 for p in md.unique_params())
+    _assert_compute_waits_for_gathers(s)
+
+
+def _assert_compute_waits_for_gathers(schedule):
+    """No compute reads a gathered parameter before the op that wrote it is an ancestor.
+
+    Ancestors follow explicit deps, stream order, and host syncs (an op issued after a
+    host sync on X starts after X).
+    """
+    step = schedule.programs[0].step
+    anc: dict[int, set[int]] = {}
+    last_on: dict[str, int] = {}
+    host_done: set[int] = set()  # ops known finished when the host passes this point
+    writer: dict[str, int] = {}
+    index = {op.id: i for i, op in enumerate(step)}
+    for i, op in enumerate(step):
+        if isinstance(op, O.HostSync):
+            if op.scope is O.SyncScope.DEVICE:
+                host_done |= set(last_on.values())
+            elif op.scope is O.SyncScope.STREAM and op.stream in last_on:
+                host_done.add(last_on[op.stream])
+            else:
+                host_done |= set(op.deps)
+            host_done = set().union(*(anc[j] | {j} for j in host_done if j in anc)) if host_done else host_done
+            continue
+        if not O.is_device_op(op):
+            continue
+        a = set(host_done)
+        preds = list(op.deps) + ([last_on[op.stream]] if op.stream in last_on else [])
+        for d in preds:
+            a |= anc[d] | {d}
+        anc[op.id] = a
+        last_on[op.stream] = op.id
+        if isinstance(op, O.Compute):
+            for b in op.buffers:
+                if b.startswith("param:") and b in writer:
+                    assert writer[b] in a, f"{op.label} may read {b} before {step[index[writer[b]]].label} ends"
+        if isinstance(op, (O.Collective, O.Copy)) and op.stream != "compute" or isinstance(op, O.Collective):
+            for b in op.buffers:
+                writer[b] = op.id
+
+
+def test_optimized_and_baseline_differ_exactly_in_the_knobs():
+    opt, base = KNOB_PRESETS["optimized"], KNOB_PRESETS["baseline"]
+    differing = [f.name for f in fields(Knobs) if getattr(opt, f.name) != getattr(base, f.name)]
+    assert differing == [f.name for f in fields(Knobs)]  # every knob, nothing else
+
+
+def _tiny(**zero):
+    return generate(describe(MODEL_PRESETS["tiny"], 2, 16), World(1, 2), ds(**zero), Knobs())
+
+
+def test_minimal_live_parameters_gather_every_use():
+    # Persistence 0, no prefetch, no reuse: every module's parameters are gathered at
+    # every use (forward, recompute, backward): count them independently.
+    md = describe(MODEL_PRESETS["tiny"], 2, 16)
+    s = generate(md, World(1, 2), ds(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0,
+                                     stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0), Knobs())
+    expected = [sum(2 * ceil(p.numel / 2) * 2 for p in e.module.params)
+                for e in module_trace(md, True) if e.module.params]
+    got = [op.size_bytes for op in colls(s, O.CollectiveKind.ALL_GATHER)]
+    assert got == expected
+
+
+def test_default_reuse_distance_gathers_each_parameter_once():
+    # DeepSpeed's defaults on a tiny model: nothing is released before its last use in
+    # the step (reuse distance 1e9 elements), so each non-persistent parameter is
+    # gathered once; persistent ones (<= 1e5 elements: all of tiny's) not at all,
+    # except the synchronous re-gather after the optimizer step.
+    md = describe(MODEL_PRESETS["tiny"], 2, 16)
+    s = generate(md, World(1, 2), ds(), Knobs())
+    ags = colls(s, O.CollectiveKind.ALL_GATHER)
+    assert [op.label.split(".")[0] for op in ags] == ["optimizer"]
+    assert ags[0].size_bytes == sum(2 * ceil(p.numel / 2) * 2 for p in md.unique_params())
+    s = generate(md, World(1, 2), ds(stage3_param_persistence_threshold=0), Knobs())
+    total = sum(op.size_bytes for op in colls(s, O.CollectiveKind.ALL_GATHER))
+    assert total == sum(2 * ceil(p.numel / 2) * 2 for p in md.unique_params())
+
+
+def test_reduce_bucket_size_sets_reduce_scatter_count():
+    n_params = len(describe(MODEL_PRESETS["tiny"], 2, 16).unique_params())
+    assert len(colls(_tiny(reduce_bucket_size=1), O.CollectiveKind.REDUCE_SCATTER)) == n_params
+    assert len(colls(_tiny(reduce_bucket_size=10**9), O.CollectiveKind.REDUCE_SCATTER)) == 1
+
+
+def test_prefetch_bucket_zero_means_no_prefetch():
+    s = _tiny(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    assert not [op for op in colls(s, O.CollectiveKind.ALL_GATHER) if "prefetch" in op.label]
+    s = _tiny(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)
+    assert [op for op in colls(s, O.CollectiveKind.ALL_GATHER) if "prefetch" in op.label]
+
+
+def _count(s, pred):
+    return sum(1 for op in s.programs[0].step if pred(op))
+
+
+@pytest.mark.parametrize("knob, value, check", [
+    ("coalesced_collectives", False,
+     lambda s, base: len(colls(s, O.CollectiveKind.ALL_GATHER)) > len(colls(base, O.CollectiveKind.ALL_GATHER))),
+    ("fine_grained_sync", False,
+     lambda s, base: _count(s, lambda o: isinstance(o, O.HostSync) and o.scope is O.SyncScope.DEVICE)
+     == len(colls(s, O.CollectiveKind.ALL_GATHER))),
+    ("flat_collectives", False,
+     lambda s, base: _count(s, lambda o: isinstance(o, O.Alloc) and o.buffer.startswith(("agtmp", "rstmp")))
+     == len(colls(s, O.CollectiveKind.ALL_GATHER)) + len(colls(s, O.CollectiveKind.REDUCE_SCATTER))),
+    ("fused_grad_norm", False,
+     lambda s, base: _count(s, lambda o: isinstance(o, O.Copy) and "norm_item:" in o.label)
+     == len(describe(MODEL_PRESETS["tiny"], 2, 16).unique_params())),
+    ("debug_string_ops", True,
+     lambda s, base: _count(s, lambda o: isinstance(o, O.Copy) and o.label.endswith("debug_item")) > 0),
+    ("precomputed_fetch", False,
+     lambda s, base: _count(s, lambda o: isinstance(o, O.HostWork) and o.label.startswith("fetch decisions")) > 0),
+    ("max_outstanding_coalesced", 0,
+     lambda s, base: _count(s, lambda o: isinstance(o, O.HostSync) and "back-pressure" in o.label) == 0
+     and _count(base, lambda o: isinstance(o, O.HostSync) and "back-pressure" in o.label) > 0),
+    ("defragment_persistent", False,
+     lambda s, base: len(s.programs[0].setup) > len(base.programs[0].setup)),
+])
+def test_each_knob_alone_changes_the_schedule_its_way(knob, value, check):
+    md = describe(MODEL_PRESETS["tiny"], 2, 16)
+    cfg = ds(stage3_max_reuse_distance=0, stage3_param_persistence_threshold=200, reduce_bucket_size=5000)
+    base = generate(md, World(1, 2), cfg, Knobs())
+    s = generate(md, World(1, 2), cfg, knobs_from("optimized", [f"{knob}={value}"]))
+    assert s != base
+    assert validate(s) == []
+    assert check(s, base)
+
+
+def test_ds_config_errors():
+    from commsim.ir.errors import CommsimInputError
+    with pytest.raises(CommsimInputError, match=r"zero_optimization.stage3_prefetch_bucket: unknown key"):
+        parse_ds_config({"zero_optimization": {"stage3_prefetch_bucket": 5}})
+    with pytest.raises(CommsimInputError, match=r"bf16.enabled: cannot be combined with fp16.enabled"):
+        parse_ds_config({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    with pytest.raises(CommsimInputError, match=r"reduce_bucket_size: must be > 0, got 0"):
+        parse_ds_config({"zero_optimization": {"reduce_bucket_size": 0}})
+    cfg = parse_ds_config({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 3e7}, "colour": 1})
+    assert cfg.zero.max_live_parameters == 30_000_000 and cfg.zero.overlap_comm is True
+    assert cfg.warnings == ("ds_config: colour: not a DeepSpeed key commsim knows; ignored",)
+    assert parse_ds_config({"zero_optimization": {"stage": 2}}).zero.overlap_comm is False
