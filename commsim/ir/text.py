@@ -8,7 +8,7 @@
     setup
       0 alloc stream=compute buffer=w size_bytes=4096 label="init.w"
     step
-      1 collective stream=allgather kind=all_gather size_bytes=8192 dtype=bf16 group=0,1 buffers=w label="fetch"
+      1 collective stream=allgather kind=all_gather size_bytes=8192 dtype=bf16 group=0-1 buffers=w label="fetch"
 
 Fields equal to their default are omitted; tuples are comma-joined; the label is a
 JSON string and always last. ``schedule_from_text(schedule_to_text(s)) == s``.
@@ -43,6 +43,30 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _fmt_ranks(ranks: tuple[int, ...]) -> str:
+    """Ascending ranks as runs: (0, 1, 2, 3, 8) -> "0-3,8"."""
+    parts: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if j == i else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _parse_ranks(raw: str, where: str) -> tuple[int, ...]:
+    out: list[int] = []
+    try:
+        for piece in raw.split(","):
+            lo, dash, hi = piece.partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if dash else [int(lo)])
+    except ValueError:
+        raise ScheduleFormatError(f"{where}: group must be ranks or runs like 0-7,16, got {raw!r}") from None
+    return tuple(out)
+
+
 def op_to_text(op: O.Op) -> str:
     """One line (no indent) describing ``op``: ``<id> <op> key=value ... label="..."``."""
     parts = [str(op.id), OP_TAGS[type(op)]]
@@ -53,7 +77,7 @@ def op_to_text(op: O.Op) -> str:
         default = f.default
         if default is not MISSING and value == default:
             continue
-        parts.append(f"{f.name}={_fmt(value)}")
+        parts.append(f"{f.name}={_fmt_ranks(value) if f.name == 'group' else _fmt(value)}")
     parts.append("label=" + json.dumps(op.label))
     return " ".join(parts)
 
@@ -138,7 +162,8 @@ def op_from_text(line: str, where: str = "op") -> O.Op:
         key, eq, raw = tok.partition("=")
         if not eq or key not in hints or key in ("id", "label"):
             raise ScheduleFormatError(f"{where}: unexpected token {tok!r} for {tokens[1]}")
-        kwargs[key] = _parse_value(hints[key], raw, f"{where}.{key}")
+        kwargs[key] = _parse_ranks(raw, f"{where}.group") if key == "group" else \
+            _parse_value(hints[key], raw, f"{where}.{key}")
     try:
         return cls(**kwargs)
     except TypeError as e:

@@ -69,7 +69,17 @@ def test_text_form_exact(tiny_schedule):
         "setup",
         '  0 alloc stream=compute buffer=w size_bytes=4096 label="init w"',
         "step",
-        '  1 collective stream=allgather kind=all_gather size_bytes=8192 dtype=bf16 group=0,1 buffers=w label="fetch \\"w\\""',
+        '  1 collective stream=allgather kind=all_gather size_bytes=8192 dtype=bf16 group=0-1 buffers=w label="fetch \\"w\\""',
         '  2 compute stream=compute kind=gemm flops=1024 bytes_read=10 bytes_written=10 gemm=8x8x8x1 deps=1 buffers=w label="fwd"',
         '  3 host_sync scope=device label="sync"',
     ]
+
+
+def test_group_runs_in_text():
+    from commsim.ir import ops as O
+    from commsim.ir.text import op_from_text, op_to_text
+
+    op = O.Collective(O.OpId(3), "ag", "x", O.CollectiveKind.ALL_GATHER, 40, O.DType.FP32, (0, 1, 2, 3, 8, 10, 11))
+    line = op_to_text(op)
+    assert "group=0-3,8,10-11 " in line
+    assert op_from_text(line) == op

@@ -110,9 +110,9 @@ def test_two_ranks_with_swapped_collectives_name_rank_and_op(tiny_schedule):
     findings = validate(Schedule.from_rank_programs([p0, p1]))
     assert [f.line() for f in findings] == [
         "rank 1, step op 0: collective order: collective #0 of group (0,1) differs from rank 0's (step op 0 "
-        "`5 collective stream=allgather kind=all_gather size_bytes=64 dtype=bf16 group=0,1 label=\"a\"`): a real run "
+        "`5 collective stream=allgather kind=all_gather size_bytes=64 dtype=bf16 group=0-1 label=\"a\"`): a real run "
         "would hang or mix data; rank 1 issues `5 collective stream=reduce kind=reduce_scatter size_bytes=128 "
-        "dtype=bf16 group=0,1 reduce_op=sum label=\"b\"`"
+        "dtype=bf16 group=0-1 reduce_op=sum label=\"b\"`"
     ]
 
 
