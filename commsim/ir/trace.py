@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from commsim.ir.errors import ScheduleFormatError
-from commsim.util.files import atomic_write_text
+from commsim.util.files import atomic_write_text, read_json
 
 if TYPE_CHECKING:  # pandas is imported lazily: the IR must stay cheap to import
     import pandas as pd
@@ -138,14 +138,7 @@ class Trace:
 
     @staticmethod
     def load(path: str | Path) -> "Trace":
-        path = Path(path)
-        try:
-            obj = json.loads(path.read_text())
-        except OSError as e:
-            raise ScheduleFormatError(f"{path}: cannot read: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ScheduleFormatError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
-        return Trace.from_dict(obj, str(path))
+        return Trace.from_dict(read_json(path, ScheduleFormatError), str(path))
 
     # ------------------------------------------------------------ pandas
     def to_dataframe(self) -> "pd.DataFrame":

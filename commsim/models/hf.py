@@ -7,12 +7,12 @@ or invalid fields are reported with the file and the field name.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from commsim.ir.errors import CommsimInputError
 from commsim.models.transformer import TransformerConfig
+from commsim.util.files import read_json
 
 SUPPORTED = ("bert", "roberta", "xlm-roberta", "gpt2", "llama", "mistral")
 
@@ -40,12 +40,7 @@ def _get_bool(cfg: dict[str, Any], path: Path, key: str, default: bool) -> bool:
 
 def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConfig:
     path = Path(path)
-    try:
-        cfg = json.loads(path.read_text())
-    except OSError as e:
-        raise CommsimInputError(f"{path}: cannot read: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise CommsimInputError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    cfg = read_json(path, CommsimInputError)
     if not isinstance(cfg, dict):
         raise CommsimInputError(f"{path}: a config.json holds one JSON object")
     mtype = cfg.get("model_type")

@@ -11,13 +11,13 @@ warnings, the way DeepSpeed ignores keys it does not know.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from commsim.ir.errors import CommsimInputError
+from commsim.util.files import read_json
 
 # zero_optimization fields: name -> (aliases, default, kind)
 _ZERO_FIELDS: dict[str, tuple[tuple[str, ...], Any, str]] = {
@@ -229,14 +229,7 @@ def parse_ds_config(obj: Any, where: str = "ds_config") -> DeepSpeedConfig:
 
 
 def load_ds_config(path: str | Path) -> DeepSpeedConfig:
-    path = Path(path)
-    try:
-        obj = json.loads(path.read_text())
-    except OSError as e:
-        raise CommsimInputError(f"{path}: cannot read: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise CommsimInputError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
-    return parse_ds_config(obj, str(path))
+    return parse_ds_config(read_json(path, CommsimInputError), str(path))
 
 
 def check_batch(cfg: DeepSpeedConfig, world_size: int, where: str = "ds_config") -> tuple[int, int]:

@@ -28,3 +28,16 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
+
+
+def read_json(path: str | Path, error: type[ValueError]) -> object:
+    """Parse a JSON file; unreadable or malformed files raise ``error`` naming the file."""
+    import json
+
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
