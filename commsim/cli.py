@@ -141,47 +141,20 @@ def cmd_models(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- schedule
 
 
-def build_schedule(args: argparse.Namespace):
-    """The schedule the generator/predict flags describe (shared by schedule and predict)."""
-    from commsim.models import describe, resolve_model
-    from commsim.strategies import World, generate
-    from commsim.strategies.dsconfig import check_batch, load_ds_config, parse_ds_config
-    from commsim.strategies.knobs import knobs_from
-
-    if args.ds_config:
-        ds = load_ds_config(args.ds_config)
-        where = args.ds_config
-    else:
-        # The seed scenario's config: ZeRO-3, bf16, DeepSpeed's defaults otherwise.
-        ds = parse_ds_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": args.stage or 3}},
-                             "default ds_config")
-        where = "default ds_config"
-    if args.stage is not None and args.ds_config and args.stage != ds.zero.stage:
-        raise CommsimInputError(f"--stage {args.stage} contradicts {where}: zero_optimization.stage {ds.zero.stage}")
-    for w in ds.warnings:
-        print(f"commsim: warning: {w}", file=sys.stderr)
-    world = World(args.nodes, args.gpus_per_node)
-    micro, gas = check_batch(ds, world.size, where)
-    if args.micro_batch is not None:
-        if ds.train_micro_batch_size_per_gpu not in (None, args.micro_batch):
-            raise CommsimInputError(f"--micro-batch {args.micro_batch} contradicts {where}: "
-                                    f"train_micro_batch_size_per_gpu {ds.train_micro_batch_size_per_gpu}")
-        micro = args.micro_batch
-    elif ds.train_micro_batch_size_per_gpu is None and ds.train_batch_size is None:
-        micro = 16  # the seed scenario
-    md = describe(resolve_model(args.model), micro, args.seq, ds.param_dtype_bytes)
-    knobs = knobs_from(args.preset, args.knob or [])
-    return generate(md, world, ds, knobs, checkpointing=not args.no_checkpointing, grad_accum=gas,
-                    preset=args.preset)
-
-
 def cmd_schedule(args: argparse.Namespace) -> int:
     from commsim.ir.serialize import save_schedule
     from commsim.ir.text import schedule_to_text
     from commsim.strategies.summary import format_summary
     from commsim.util.files import atomic_write_text
 
-    schedule = build_schedule(args)
+    from commsim.api import Scenario, build_schedule
+
+    sc = Scenario(model=args.model, cluster=args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                  stage=args.stage, preset=args.preset, knobs=tuple(args.knob or ()), ds_config=args.ds_config,
+                  micro_batch=args.micro_batch, seq=args.seq, checkpointing=not args.no_checkpointing)
+    schedule = build_schedule(sc)[0]
+    for w in sc.warnings:
+        print(f"commsim: warning: {w}", file=sys.stderr)
     if args.output:
         if args.output.endswith(".txt"):
             atomic_write_text(args.output, schedule_to_text(schedule))
@@ -197,7 +170,9 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="roberta-10b",
                    help="model preset or path to a Hugging Face config.json (default roberta-10b)")
     p.add_argument("--nodes", type=_positive_int, default=8, help="number of nodes (default 8)")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node (default: the cluster's, 8)")
+    p.add_argument("--cluster", default="p4d",
+                   help="node preset: p4d (default), p5, dgx-a100, dgx-h100, p3dn, azure-ndm-a100")
     p.add_argument("--ds-config", metavar="FILE",
                    help="DeepSpeed config JSON (default: ZeRO-3, bf16, DeepSpeed's defaults)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 3, or the config's)")
@@ -216,11 +191,48 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- predict
 
 
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
-    raise CommsimInputError(
-        "commsim predict: the simulator is not part of this build yet; "
-        "'commsim schedule' and 'commsim validate' work today"
-    )
+    from commsim.api import predict_scenario
+
+    pred = predict_scenario(args)
+    m = pred.metrics
+    if args.trace:
+        pred.trace().save_chrome_trace(args.trace) if args.trace.endswith(".chrome.json") else pred.trace().save(args.trace)
+    if args.plot:
+        from commsim.report.plots import timeline_png
+
+        timeline_png(pred.result, args.plot, title=pred.title)
+    if args.json:
+        out = m.to_json()
+        out["scenario"] = pred.scenario
+        print(json.dumps(out, indent=1, default=str))
+        return 0 if m.oom is None else 1
+    print(pred.title)
+    mode = ("symmetric: one rank simulated for identical ranks" if m.mode == "symmetric"
+            else f"per-rank: {len(pred.result.ranks)} ranks simulated, jitter {m.jitter:.1%}")
+    print(f"mode: {mode}; seed {m.seed}")
+    if m.oom:
+        print(f"OUT OF MEMORY: {m.oom}")
+        return 1
+    print(f"{'step time':<22}{m.step_time_s:>10.3f} s")
+    print(f"{'tokens/s':<22}{m.tokens_per_s:>10,.0f}")
+    print(f"{'model TFLOPS/GPU':<22}{m.model_tflops_per_gpu:>10.1f}     hardware TFLOPS/GPU {m.hardware_tflops_per_gpu:.1f}")
+    print(f"{'compute busy':<22}{m.compute_busy_frac:>10.1%}")
+    print(f"{'communication':<22}{m.comm_time_s:>10.3f} s   exposed {m.exposed_comm_s:.3f} s, overlap {m.overlap_frac:.1%}")
+    print("compute-stream idle by cause:")
+    for cause, v in sorted(m.stalls_s.items(), key=lambda kv: -kv[1]):
+        if v > 0:
+            print(f"  {cause:<20}{v:>10.3f} s")
+    print(f"{'memory':<22}peak allocated {_fmt_bytes(m.peak_allocated_bytes)}, reserved "
+          f"{_fmt_bytes(m.peak_reserved_bytes)} of {_fmt_bytes(pred.hbm_bytes)}; allocator retries "
+          f"{m.alloc_retries}, cache flushes {m.alloc_flushes}")
+    if m.cost_usd_per_step == m.cost_usd_per_step and m.cost_usd_per_step > 0:
+        print(f"{'cost':<22}${m.cost_usd_per_step:.3f} per step, ${m.cost_usd_per_million_tokens:.2f} per million tokens")
+    return 0
 
 
 # ---------------------------------------------------------------- parser
@@ -267,8 +279,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("predict", help="simulate a training step and report step time, overlap and stalls",
-                       description="Simulate one training step (not yet available in this build).")
-    p.add_argument("--net", choices=("efa", "ib"), default="efa", help="inter-node fabric (default efa)")
+                       description="Simulate one steady-state training step (after a warm-up step) and report "
+                       "step time, throughput, overlap, stalls of the compute stream by cause, memory and cost. "
+                       "Defaults: the seed scenario, roberta-10b on 8 p4d nodes, ZeRO-3 optimized, micro-batch 16, "
+                       "sequence 512, bf16, layer-wise checkpointing.")
+    add_scenario_flags(p)
+    p.add_argument("--net", choices=("efa", "ib"),
+                   help="inter-node fabric: efa or ib (default: the cluster's own)")
+    p.add_argument("--schedule", metavar="FILE", help="simulate this schedule file instead of generating one")
+    p.add_argument("--hw-profile", metavar="FILE", help="measured hardware profile (from commsim calibrate)")
+    p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto",
+                   help="symmetric: simulate one rank for identical ranks (fast); per-rank: every rank, with "
+                   "jitter, stragglers and per-rank allocator flushes (default auto: symmetric when ranks are identical)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-rank jitter RNG (default 0)")
+    p.add_argument("--jitter", type=float,
+                   help="relative std-dev of compute kernel times per rank (default 0.01 per-rank, 0 symmetric)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write the predicted trace (commsim JSON; a name ending .chrome.json writes Chrome/Perfetto)")
+    p.add_argument("--plot", metavar="PNG", help="write a timeline plot of the step")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_predict)
     return parser
 

@@ -94,3 +94,50 @@ def test_schedule_bad_ds_config_key(tmp_path):
     assert out.stderr == (f"commsim: error: {cfg}: zero_optimization.reduce_bucket: unknown key (DeepSpeed rejects "
                           "it too); see deepspeed/runtime/zero/config.py\n")
     assert not (tmp_path / "s.json").exists()
+
+
+PREDICT_KEYS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_busy_frac",
+                "comm_time_s", "exposed_comm_s", "overlap_frac", "stalls_s", "peak_allocated_bytes",
+                "peak_reserved_bytes", "alloc_retries", "cost_usd_per_step", "mode"}
+
+
+def predict_json(*args):
+    out = run("predict", "--json", *args)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_predict_default_scenario_efa_vs_ib_and_baseline_vs_optimized():
+    efa = predict_json("--net", "efa")
+    ib = predict_json("--net", "ib")
+    base = predict_json("--net", "efa", "--preset", "baseline")
+    assert PREDICT_KEYS <= set(efa)
+    assert efa["mode"] == "symmetric"
+    assert efa["step_time_s"] > ib["step_time_s"]
+    assert base["step_time_s"] > efa["step_time_s"]
+    assert efa["exposed_comm_s"] > ib["exposed_comm_s"]
+    idle = efa["step_time_s"] * (1 - efa["compute_busy_frac"])
+    assert abs(sum(efa["stalls_s"].values()) - idle) < 1e-6 * efa["step_time_s"] + 1e-6
+
+
+def test_predict_writes_trace_and_plot(tmp_path):
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    out = run("predict", "--model", "tiny", "--nodes", "2", "--micro-batch", "2", "--seq", "16",
+              "--trace", str(trace), "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    assert "step time" in out.stdout and "mode: symmetric" in out.stdout
+    from commsim.ir.trace import Trace
+    df = Trace.load(trace).to_dataframe()
+    assert {"compute", "allgather", "reduce", "host"} <= set(df["stream"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_predict_schedule_file_must_match_cluster(tmp_path):
+    s = tmp_path / "s.json"
+    assert run("schedule", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2",
+               "--seq", "16", "-o", str(s)).returncode == 0
+    out = run("predict", "--schedule", str(s))
+    assert out.returncode == 2
+    assert "has 2 ranks but the cluster has 64 GPUs" in out.stderr
+    ok = predict_json("--schedule", str(s), "--nodes", "1", "--gpus-per-node", "2", "--mode", "per-rank")
+    assert ok["mode"] == "per-rank" and ok["step_time_s"] > 0

@@ -101,7 +101,5 @@ class HostCosts:
     module_hook_ns: int = 30_000
     # Baseline fetch decision: Python work per parameter of the trace it examines.
     fetch_decision_per_param_ns: int = 2_000
-    # Caching-allocator hit (reference/allocator.md: about 1 us of host time).
-    alloc_ns: int = 1_000
     # Formatting a debug string with tensor ops (beyond the device sync it forces).
     debug_string_ns: int = 20_000

@@ -169,7 +169,6 @@ class Zero3Lowering:
             if self._pbuf(p) == "persistent":
                 continue
             size = self.part[p.name] * self.W * self.dt  # storage of the padded full parameter
-            b.host("alloc", O.HostKind.PYTHON, c.alloc_ns)
             b.alloc(self._pbuf(p), size, s, f"gathered {p.name}")
         names = tuple(dict.fromkeys(self._pbuf(p) for p in batch))
         flat = None
@@ -296,7 +295,6 @@ class Zero3Lowering:
                 self.bwd_uses[p.name] -= 1
                 if f"grad:{p.name}" not in self.live_grads:
                     self.live_grads.add(f"grad:{p.name}")
-                    b.host("alloc", O.HostKind.PYTHON, self.costs.alloc_ns)
                     b.alloc(f"grad:{p.name}", p.numel * self.dt, COMPUTE, f"gradient {p.name}")
             extra = tuple(f"grad:{p.name}" for p in m.params)
         act = self._act_buffer(mb, e)
@@ -378,7 +376,6 @@ class Zero3Lowering:
             to_free: list[str] = []
             if not (len(batch) == 1 and batch[0].numel % self.W == 0):
                 buf = f"rsflat[{k}]"
-                b.host("alloc", O.HostKind.PYTHON, c.alloc_ns)
                 b.alloc(buf, size, s, f"interleaved reduce-scatter input {k}")
                 b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
                 b.copy(s, f"rs{k}.interleave", O.CopyDirection.D2D, size, deps=wait, buffers=srcs + (buf,))

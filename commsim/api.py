@@ -1,0 +1,194 @@
+"""The Python API the CLI and the notebooks share: describe a scenario, predict it.
+
+    from commsim.api import Scenario, predict
+    p = predict(Scenario(model="roberta-10b", nodes=8, net="efa", preset="baseline"))
+    p.metrics.step_time_s, p.metrics.stalls_s
+    p.trace().to_dataframe()          # every op's start / end per rank and stream
+
+``Scenario`` holds what the ``commsim predict`` flags hold, with the same defaults
+(the seed scenario: roberta-10b, 8 p4d nodes, ZeRO-3 optimized, micro-batch 16,
+sequence 512, bf16, layer-wise checkpointing).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from commsim.hardware.costs import CostModel, SpecCostModel
+from commsim.hardware.specs import cluster_preset
+from commsim.ir.errors import CommsimInputError
+from commsim.ir.schedule import Schedule
+from commsim.ir.trace import Trace, TraceMeta, TraceRecord, TraceSource, make_trace
+from commsim.models import describe, resolve_model
+from commsim.report.metrics import Metrics, StepInfo, compute_metrics, step_info
+from commsim.sim.engine import SimConfig, SimResult, Simulator
+
+
+@dataclass(frozen=True)
+class Scenario:
+    model: str = "roberta-10b"
+    cluster: str = "p4d"
+    nodes: int = 8
+    gpus_per_node: int | None = None  # None: the cluster's
+    net: str | None = None  # None: the cluster's own fabric
+    stage: int | None = None  # None: the config's, else 3
+    preset: str = "optimized"
+    knobs: tuple[str, ...] = ()  # NAME=VALUE overrides
+    ds_config: str | dict[str, Any] | None = None  # path or parsed JSON
+    micro_batch: int | None = None  # None: the config's, else 16
+    seq: int = 512
+    checkpointing: bool = True
+    schedule: str | None = None  # a schedule file instead of generating one
+    hw_profile: str | None = None
+    mode: str = "auto"
+    seed: int = 0
+    jitter: float | None = None
+    warnings: list[str] = field(default_factory=list, compare=False)
+
+    def with_(self, **changes: Any) -> "Scenario":
+        return replace(self, **changes)
+
+
+@dataclass
+class Prediction:
+    scenario: dict[str, Any]
+    schedule: Schedule
+    result: SimResult
+    metrics: Metrics
+    info: StepInfo
+    title: str
+    hbm_bytes: int
+    hardware: str
+
+    def trace(self) -> Trace:
+        return result_trace(self.result, self.schedule, self.hardware)
+
+
+def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
+    from commsim.ir.ops import op_flops, op_kind_name, op_size_bytes
+
+    recs = []
+    for rr in result.ranks.values():
+        for r in rr.records:
+            recs.append(TraceRecord(r.rank, r.stream, int(r.op.id), op_kind_name(r.op), r.op.label, r.start_ns,
+                                    r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0))
+    meta = TraceMeta(TraceSource.PREDICTED, producer="commsim.sim", schedule_hash=schedule.content_hash(),
+                     hardware=hardware, seed=result.seed, extra=(("mode", result.mode), ("jitter", result.jitter)))
+    return make_trace(meta, recs)
+
+
+def _ds_config(sc: Scenario):
+    from commsim.strategies.dsconfig import load_ds_config, parse_ds_config
+
+    if sc.ds_config is None:
+        # The seed scenario's config: ZeRO-3, bf16, DeepSpeed's defaults otherwise.
+        return parse_ds_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": sc.stage or 3}},
+                               "default ds_config"), "default ds_config"
+    if isinstance(sc.ds_config, dict):
+        return parse_ds_config(sc.ds_config, "ds_config"), "ds_config"
+    return load_ds_config(sc.ds_config), sc.ds_config
+
+
+def build_schedule(sc: Scenario):
+    """(schedule, model description, step info) for a scenario that generates its schedule."""
+    from commsim.strategies import World, generate
+    from commsim.strategies.dsconfig import check_batch
+    from commsim.strategies.knobs import knobs_from
+
+    ds, where = _ds_config(sc)
+    if sc.stage is not None and sc.ds_config is not None and sc.stage != ds.zero.stage:
+        raise CommsimInputError(f"--stage {sc.stage} contradicts {where}: zero_optimization.stage {ds.zero.stage}")
+    sc.warnings.extend(ds.warnings)
+    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
+    world = World(sc.nodes, cluster.node.gpus_per_node)
+    micro, gas = check_batch(ds, world.size, where)
+    if sc.micro_batch is not None:
+        if ds.train_micro_batch_size_per_gpu not in (None, sc.micro_batch):
+            raise CommsimInputError(f"--micro-batch {sc.micro_batch} contradicts {where}: "
+                                    f"train_micro_batch_size_per_gpu {ds.train_micro_batch_size_per_gpu}")
+        micro = sc.micro_batch
+    elif ds.train_micro_batch_size_per_gpu is None and ds.train_batch_size is None:
+        micro = 16  # the seed scenario
+    md = describe(resolve_model(sc.model), micro, sc.seq, ds.param_dtype_bytes)
+    knobs = knobs_from(sc.preset, list(sc.knobs))
+    schedule = generate(md, world, ds, knobs, checkpointing=sc.checkpointing, grad_accum=gas, preset=sc.preset)
+    info = step_info(md, world.size, sc.nodes, gas, sc.checkpointing, cluster.node.price_usd_per_hour)
+    return schedule, md, info, ds.precision
+
+
+def _info_from_schedule(schedule: Schedule, nodes: int, price: float) -> StepInfo:
+    """Throughput facts of a schedule file: from its metadata when the model is known,
+    else from its ops (hardware flops = all compute flops; model flops without recompute)."""
+    from commsim.ir import ops as O
+
+    meta = dict(schedule.meta.knobs)
+    try:
+        md = describe(resolve_model(schedule.meta.model), int(meta["micro_batch"]), int(meta["seq_len"]))
+        return step_info(md, schedule.world_size, nodes, int(meta.get("grad_accum", 1)),
+                         bool(meta.get("checkpointing", False)), price)
+    except (CommsimInputError, KeyError, ValueError):
+        prog = schedule.program_of(0)
+        hw = sum(op.flops for op in prog.step if isinstance(op, O.Compute))
+        model = sum(op.flops for op in prog.step if isinstance(op, O.Compute) and ".recompute" not in op.label)
+        return StepInfo(schedule.world_size, nodes, 0, float(model), float(hw), price, "ops")
+
+
+def cost_model(sc: Scenario, precision: str) -> tuple[CostModel, str]:
+    if sc.hw_profile:
+        from commsim.hardware.profile import load_profile
+
+        prof = load_profile(sc.hw_profile)
+        return prof, f"profile {sc.hw_profile}"
+    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
+    return SpecCostModel(cluster, precision), cluster.name
+
+
+def predict(sc: Scenario) -> Prediction:
+    """Generate (or load) the schedule, simulate it, compute the metrics."""
+    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
+    if sc.schedule:
+        from commsim.ir.validate import check_valid
+        from commsim.cli import load_schedule_any
+
+        schedule = load_schedule_any(sc.schedule)
+        check_valid(schedule, sc.schedule)
+        if schedule.world_size != cluster.world_size and not sc.hw_profile:
+            raise CommsimInputError(f"--schedule {sc.schedule}: has {schedule.world_size} ranks but the cluster "
+                                    f"has {cluster.world_size} GPUs ({sc.nodes} nodes x {cluster.node.gpus_per_node});"
+                                    " set --nodes / --gpus-per-node to match")
+        precision = str(dict(schedule.meta.knobs).get("precision", "bf16"))
+        info = _info_from_schedule(schedule, sc.nodes, cluster.node.price_usd_per_hour)
+        what = f"{sc.schedule} ({schedule.meta.description or schedule.meta.model})"
+    else:
+        schedule, md, info, precision = build_schedule(sc)
+        what = (f"{md.name}, ZeRO-{schedule.meta.strategy[-1]} ({sc.preset}), micro-batch {md.micro_batch} x "
+                f"{md.seq_len}, {precision}{', checkpointing' if sc.checkpointing else ''}")
+    cost, hardware = cost_model(sc, precision)
+    if sc.jitter is not None and sc.jitter < 0:
+        raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
+    try:
+        sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter))
+    except ValueError as e:
+        raise CommsimInputError(f"--mode {sc.mode}: {e}") from None
+    result = sim.run()
+    metrics = compute_metrics(result, info)
+    title = f"commsim predict: {what} on {hardware} = {schedule.world_size} GPUs"
+    scen = {k: v for k, v in sc.__dict__.items() if k != "warnings"}
+    return Prediction(scen, schedule, result, metrics, info, title, cost.hbm_bytes, hardware)
+
+
+def predict_scenario(args: Any) -> Prediction:
+    """The CLI's flags as a Scenario, predicted; warnings go to stderr."""
+    sc = Scenario(
+        model=args.model, cluster=args.cluster, nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node, net=args.net, stage=args.stage, preset=args.preset,
+        knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
+        checkpointing=not args.no_checkpointing, schedule=args.schedule, hw_profile=args.hw_profile,
+        mode=args.mode, seed=args.seed, jitter=args.jitter,
+    )
+    pred = predict(sc)
+    for w in sc.warnings:
+        print(f"commsim: warning: {w}", file=sys.stderr)
+    return pred

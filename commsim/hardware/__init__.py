@@ -1,0 +1,1 @@
+"""Hardware: GPU / node / fabric presets with sources, cost functions, measured profiles."""

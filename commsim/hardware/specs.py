@@ -1,0 +1,169 @@
+"""Hardware specifications: GPUs, nodes, inter-node fabrics, clusters, with sources.
+
+Human units (TFLOPS, GB/s, Gb/s, us) are converted once here into the units the
+simulator uses (flops/s, bytes/s, ns). Every constant names its source; the facts
+are gathered in ../shared/reference/hardware.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from commsim.ir.errors import CommsimInputError
+
+GB = 1e9
+TERA = 1e12
+US = 1000  # ns
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    name: str
+    peak_tensor_flops_per_s: float  # dense bf16/fp16 tensor-core peak
+    peak_fp32_flops_per_s: float  # non-tensor fp32 (elementwise, optimizer)
+    hbm_bytes: int
+    hbm_bw_bytes_per_s: float
+    sm_count: int
+    # Fraction of peak that large GEMMs reach (hardware.md: "roughly 60-80%"). The
+    # simulator lowers it further for small GEMMs by wave quantisation over sm_count.
+    gemm_max_efficiency: float = 0.75
+    # Fraction of HBM bandwidth memory-bound kernels reach (STREAM-style copy kernels
+    # reach about 85-90% of the datasheet figure on A100/H100; BabelStream results).
+    hbm_efficiency: float = 0.85
+    # Fixed device-side cost of any kernel (launch latency on the GPU, tail effects):
+    # about 3-5 us for an empty kernel on A100/H100 (NVIDIA CUDA C++ Best Practices).
+    kernel_overhead_ns: int = 4 * US
+
+
+@dataclass(frozen=True, slots=True)
+class FabricSpec:
+    """Inter-node network of one node: its NICs and their achievable efficiency."""
+
+    name: str
+    nics_per_node: int
+    nic_rate_bytes_per_s: float  # line rate of one NIC, one direction
+    # Achieved fraction of line rate in NCCL collectives (measured busbw / line rate).
+    efficiency: float
+    # Added per inter-node ring step beyond NCCL's own network-hop latency.
+    latency_ns: int
+    kind: str  # "efa" or "ib"
+
+    @property
+    def node_bw_bytes_per_s(self) -> float:
+        return self.nics_per_node * self.nic_rate_bytes_per_s * self.efficiency
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    name: str
+    gpu: GpuSpec
+    gpus_per_node: int
+    # NVLink/NVSwitch bandwidth per GPU, one direction.
+    nvlink_bw_bytes_per_s: float
+    # Achieved fraction in NCCL ring collectives within a node (hardware.md: 231-235 of
+    # 300 GB/s all-reduce busbw on A100, about 78%; NVIDIA/nccl issue 527).
+    nvlink_efficiency: float
+    pcie_bw_bytes_per_s: float  # host<->device copies (offload, .item())
+    fabric: FabricSpec
+    price_usd_per_hour: float  # on-demand list price of the whole node
+    price_note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    node: NodeSpec
+    nodes: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.node.gpus_per_node
+
+    @property
+    def name(self) -> str:
+        return f"{self.nodes}x {self.node.name} ({self.node.fabric.name})"
+
+
+# ---------------------------------------------------------------- GPUs
+# Peaks: NVIDIA datasheets (dense, no sparsity). SM counts: NVIDIA architecture
+# whitepapers (V100 80, A100 108, H100 SXM 132).
+A100_40 = GpuSpec("A100-SXM4-40GB", 312 * TERA, 19.5 * TERA, 40 * 10**9, 1555 * GB, 108)
+A100_80 = GpuSpec("A100-SXM4-80GB", 312 * TERA, 19.5 * TERA, 80 * 10**9, 2039 * GB, 108)
+H100 = GpuSpec("H100-SXM5-80GB", 989 * TERA, 67 * TERA, 80 * 10**9, 3350 * GB, 132)
+H200 = GpuSpec("H200-SXM-141GB", 989 * TERA, 67 * TERA, 141 * 10**9, 4800 * GB, 132)
+V100_32 = GpuSpec("V100-SXM2-32GB", 125 * TERA, 15.7 * TERA, 32 * 10**9, 900 * GB, 80)
+
+# ---------------------------------------------------------------- fabrics
+# EFA: 100 Gb/s per NIC (AWS instance pages). Efficiency 0.85: "0.4 Tb/s nominal,
+# about 340 Gb/s effective in all-reduce" on p4d (stas00/ml-engineering, network).
+# Latency: the aws-ofi-nccl model tuner's 20 us network latency plus about 3 us
+# completion overhead (src/tuner/nccl_ofi_model.cpp).
+EFA_P4D = FabricSpec("EFA 4x100Gb/s", 4, 100e9 / 8, 0.85, 23 * US, "efa")
+EFA_P5 = FabricSpec("EFA 32x100Gb/s", 32, 100e9 / 8, 0.85, 23 * US, "efa")
+EFA_P3DN = FabricSpec("EFA 1x100Gb/s", 1, 100e9 / 8, 0.85, 23 * US, "efa")
+# InfiniBand: 200 Gb/s HDR / 400 Gb/s NDR per NIC (DGX user guides). Efficiency 0.96:
+# about 192 GB/s all-reduce busbw per DGX A100 node of 200 GB/s line rate (NVIDIA/nccl
+# issues 812, 412). Latency: HDR/NDR port latency about 0.5-0.6 us, ~1 us end to end.
+IB_HDR_8 = FabricSpec("IB 8x200Gb/s HDR", 8, 200e9 / 8, 0.96, 1 * US, "ib")
+IB_NDR_8 = FabricSpec("IB 8x400Gb/s NDR", 8, 400e9 / 8, 0.96, 1 * US, "ib")
+
+# PCIe 4.0 x16 about 25 GB/s achievable one way (A100 nodes); PCIe 5.0 x16 about 50.
+_PCIE4 = 25 * GB
+_PCIE5 = 50 * GB
+_PCIE3 = 12 * GB
+
+# ---------------------------------------------------------------- nodes
+NODE_PRESETS: dict[str, NodeSpec] = {
+    n.name: n
+    for n in (
+        # 600 GB/s bidirectional NVSwitch per GPU = 300 one way (AWS p4d page).
+        NodeSpec("p4d", A100_40, 8, 300 * GB, 0.78, _PCIE4, EFA_P4D, 32.77,
+                 "AWS on-demand us-east-1 p4d.24xlarge, as listed 2022-2024"),
+        # 900 GB/s bidirectional NVSwitch = 450 one way (AWS p5 page); H100 ring busbw
+        # about 370 GB/s (nccl-tests issue 212) -> 0.82.
+        NodeSpec("p5", H100, 8, 450 * GB, 0.82, _PCIE5, EFA_P5, 98.32,
+                 "AWS on-demand us-east-1 p5.48xlarge, as listed 2024"),
+        NodeSpec("dgx-a100", A100_80, 8, 300 * GB, 0.78, _PCIE4, IB_HDR_8, 32.77,
+                 "no list price; priced as a p4d node (same GPUs) for comparison"),
+        NodeSpec("dgx-h100", H100, 8, 450 * GB, 0.82, _PCIE5, IB_NDR_8, 98.32,
+                 "no list price; priced as a p5 node (same GPUs) for comparison"),
+        # p3dn: NVLink2 hybrid cube mesh, 6 links x 25 GB/s = 150 GB/s per V100 one way
+        # (V100 datasheet 300 GB/s bidirectional); ring efficiency assumed as A100's.
+        NodeSpec("p3dn", V100_32, 8, 150 * GB, 0.78, _PCIE3, EFA_P3DN, 31.212,
+                 "AWS on-demand us-east-1 p3dn.24xlarge, as listed 2022-2024"),
+        NodeSpec("azure-ndm-a100", A100_80, 8, 300 * GB, 0.78, _PCIE4, IB_HDR_8, 32.77,
+                 "Azure ND96amsr A100 v4 pay-as-you-go, about 32.77 USD/h (2023)"),
+    )
+}
+
+FABRICS = {"efa": EFA_P4D, "ib": IB_HDR_8}
+
+
+def cluster_preset(name: str, nodes: int, net: str | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
+    """A node preset times ``nodes``; ``net`` swaps the inter-node fabric (same NIC count
+    and line rate as the node's, EFA's or InfiniBand's efficiency and latency)."""
+    if name not in NODE_PRESETS:
+        raise CommsimInputError(f"--cluster {name!r}: allowed: {', '.join(NODE_PRESETS)}")
+    if nodes <= 0:
+        raise CommsimInputError("--nodes must be a positive integer")
+    node = NODE_PRESETS[name]
+    if net is not None:
+        node = replace(node, fabric=swap_fabric(node.fabric, net))
+    if gpus_per_node is not None:
+        if gpus_per_node <= 0:
+            raise CommsimInputError("--gpus-per-node must be a positive integer")
+        node = replace(node, gpus_per_node=gpus_per_node)
+    return ClusterSpec(node, nodes)
+
+
+def swap_fabric(fabric: FabricSpec, net: str) -> FabricSpec:
+    """The what-if of the seed paper: the same node, EFA or InfiniBand between nodes.
+
+    ``ib`` on an EFA node: DGX-style 8x200 Gb/s HDR InfiniBand (the DGX A100 fabric);
+    ``efa`` on an InfiniBand node: p4d's 4x100 Gb/s EFA. The node's own fabric is kept
+    when it already is of that kind.
+    """
+    if net not in FABRICS:
+        raise CommsimInputError(f"--net {net!r}: allowed: {', '.join(FABRICS)}")
+    if fabric.kind == net:
+        return fabric
+    return FABRICS[net]

@@ -1,0 +1,1 @@
+"""Results: metrics of a step, traces from simulations, plots."""

@@ -1,0 +1,234 @@
+"""Metrics of one simulated (or measured) step: throughput, overlap, stalls, memory, cost.
+
+Throughput follows Megatron-LM (Narayanan et al. 2021): model flops per micro-batch =
+72 B s L h^2 (1 + s/(6h) + V/(12 L h)); hardware flops with full activation
+recomputation = 96 B s L h^2 (1 + s/(6h) + V/(16 L h)). The formula assumes a GPT/BERT
+block (MLP of 4h, full multi-head attention); other models (SwiGLU, grouped-query
+attention) use the sum of their real per-op flops instead.
+
+The stall breakdown explains every nanosecond the compute stream is not running a
+compute kernel, by what it was waiting for: the all-gather or reduce-scatter it
+depended on, other collectives, a slower rank (time a collective waited for its last
+member), the host not issuing fast enough, the caching allocator (a cache flush, or a
+new segment), or other device work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from commsim.ir import ops as O
+from commsim.models.spec import ModelDescription
+from commsim.sim.engine import HOST, HostBlock, OpRecord, SimResult
+
+COMPUTE_STREAM = "compute"
+STALL_CAUSES = ("all_gather", "reduce_scatter", "other_comm", "straggler", "host", "allocator_flush",
+                "allocator", "other")
+_HOST_REASON = {
+    "all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "other_comm": "other_comm",
+    "allocator_flush": "allocator_flush", "allocator": "allocator", "copy": "other", "sync": "host",
+    "device_sync": "host", "launch_queue": "host",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """What one step does, for throughput and cost (per GPU unless named otherwise)."""
+
+    world_size: int
+    nodes: int
+    tokens_per_gpu: int  # micro-batch x sequence x accumulation steps
+    model_flops_per_gpu: float
+    hardware_flops_per_gpu: float
+    price_usd_per_node_hour: float = 0.0
+    flops_source: str = "megatron"  # "megatron" or "ops"
+
+
+def megatron_applies(md: ModelDescription) -> bool:
+    a = md.arch
+    return a is not None and a.ffn == 4 * a.hidden and not any(
+        m.path.endswith(("k_proj", "v_proj")) for m in md.modules)
+
+
+def step_info(md: ModelDescription, world_size: int, nodes: int, grad_accum: int, checkpointing: bool,
+              price_usd_per_node_hour: float = 0.0) -> StepInfo:
+    B, s = md.micro_batch, md.seq_len
+    if megatron_applies(md):
+        a = md.arch
+        assert a is not None
+        L, h, V = a.layers, a.hidden, a.vocab
+        model = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+        hw = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) if checkpointing else model
+        source = "megatron"
+    else:
+        model = float(md.forward_flops() + md.backward_flops())
+        hw = model + (md.recompute_flops() if checkpointing else 0)
+        source = "ops"
+    return StepInfo(world_size, nodes, B * s * grad_accum, model * grad_accum, hw * grad_accum,
+                    price_usd_per_node_hour, source)
+
+
+# ---------------------------------------------------------------- intervals
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: list[tuple[int, int]]) -> int:
+    return sum(b - a for a, b in intervals)
+
+
+def _subtract(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """Length of union(a) minus union(b)."""
+    a, b = _union(a), _union(b)
+    total, j = 0, 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                total += b[k][0] - cur
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            total += e - cur
+    return total
+
+
+# ---------------------------------------------------------------- stalls
+
+
+def _kind(op: O.Op) -> str:
+    if isinstance(op, O.Collective):
+        return {O.CollectiveKind.ALL_GATHER: "all_gather",
+                O.CollectiveKind.REDUCE_SCATTER: "reduce_scatter"}.get(op.kind, "other_comm")
+    return "other"
+
+
+def _host_window(blocks: list[HostBlock], a: int, b: int, out: dict[str, int]) -> None:
+    """Attribute [a, b] to the host's blocked reasons, the rest to 'host'."""
+    covered = 0
+    for hb in blocks:
+        lo, hi = max(a, hb.start_ns), min(b, hb.end_ns)
+        if hi > lo:
+            out[_HOST_REASON.get(hb.reason, "host")] += hi - lo
+            covered += hi - lo
+    out["host"] += max(0, (b - a) - covered)
+
+
+def stall_breakdown(records: list[OpRecord], host_blocks: list[HostBlock], step_ns: int) -> dict[str, int]:
+    """Idle time of the compute stream by cause; sums to step time minus compute busy time."""
+    out = {c: 0 for c in STALL_CAUSES}
+    by_id = {r.op.id: r for r in records}
+    comp = sorted((r for r in records if r.stream == COMPUTE_STREAM), key=lambda r: r.start_ns)
+    blocks = sorted(host_blocks, key=lambda h: h.start_ns)
+    cursor = 0
+    for r in comp:
+        gap = r.start_ns - cursor
+        if gap > 0:
+            peers = min(gap, r.wait_peers_ns)
+            out["straggler"] += peers
+            window_end = r.start_ns - peers
+            # Before the op was issued, the host is to blame (or what blocked it);
+            # after, the dependency that finished last.
+            host_end = min(window_end, max(cursor, r.issue_ns))
+            if host_end > cursor:
+                _host_window(blocks, cursor, host_end, out)
+            if window_end > host_end:
+                dep = by_id.get(r.last_dep) if r.last_dep is not None else None
+                if dep is not None:
+                    dpeers = min(window_end - host_end, dep.wait_peers_ns)
+                    out["straggler"] += dpeers
+                    out[_kind(dep.op)] += window_end - host_end - dpeers
+                else:
+                    out["other"] += window_end - host_end
+        if not isinstance(r.op, O.Compute):
+            out[_kind(r.op)] += r.end_ns - r.start_ns
+        cursor = max(cursor, r.end_ns)
+    if step_ns > cursor:
+        _host_window(blocks, cursor, step_ns, out)
+    return out
+
+
+# ---------------------------------------------------------------- metrics
+
+
+@dataclass(frozen=True)
+class Metrics:
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    compute_busy_frac: float
+    comm_time_s: float
+    exposed_comm_s: float
+    overlap_frac: float
+    stalls_s: dict[str, float]
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    alloc_retries: int
+    alloc_flushes: int
+    cost_usd_per_step: float
+    cost_usd_per_million_tokens: float
+    mode: str
+    seed: int
+    jitter: float
+    oom: str | None
+    flops_source: str
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) -> Metrics:
+    """Metrics of a simulated step; busy / overlap / stalls from ``rank`` (default: the
+    rank that finished last, i.e. the one that set the step time)."""
+    if rank is None:
+        rank = max(result.ranks, key=lambda r: (result.ranks[r].end_ns, -r))
+    rr = result.ranks[rank]
+    step_ns = result.step_time_ns
+    step_s = step_ns / 1e9 if step_ns else float("nan")
+    records = [r for r in rr.records if r.stream != HOST]
+    comp = [(r.start_ns, r.end_ns) for r in records if r.stream == COMPUTE_STREAM and isinstance(r.op, O.Compute)]
+    comm = [(r.start_ns, r.end_ns) for r in records if isinstance(r.op, O.Collective)]
+    busy = _length(_union(comp))
+    comm_ns = _length(_union(comm))
+    exposed = _subtract(comm, comp)
+    stalls = stall_breakdown(records, rr.host_blocks, step_ns)
+    allocs = [r.allocator for r in result.ranks.values() if r.allocator is not None]
+    tokens_per_step = info.tokens_per_gpu * info.world_size
+    cost_step = info.nodes * info.price_usd_per_node_hour * step_s / 3600 if step_ns else float("nan")
+    return Metrics(
+        step_time_s=step_s,
+        tokens_per_s=tokens_per_step / step_s if step_ns else 0.0,
+        model_tflops_per_gpu=info.model_flops_per_gpu / step_s / 1e12 if step_ns else 0.0,
+        hardware_tflops_per_gpu=info.hardware_flops_per_gpu / step_s / 1e12 if step_ns else 0.0,
+        compute_busy_frac=busy / step_ns if step_ns else 0.0,
+        comm_time_s=comm_ns / 1e9,
+        exposed_comm_s=exposed / 1e9,
+        overlap_frac=1 - exposed / comm_ns if comm_ns else 1.0,
+        stalls_s={k: v / 1e9 for k, v in stalls.items()},
+        peak_allocated_bytes=max((a.stats.peak_allocated_bytes for a in allocs), default=0),
+        peak_reserved_bytes=max((a.stats.peak_reserved_bytes for a in allocs), default=0),
+        alloc_retries=max((a.stats.num_alloc_retries for a in allocs), default=0),
+        alloc_flushes=sum(len(r.flush_times_ns) for r in result.ranks.values()),
+        cost_usd_per_step=cost_step,
+        cost_usd_per_million_tokens=cost_step / tokens_per_step * 1e6 if step_ns else float("nan"),
+        mode=result.mode,
+        seed=result.seed,
+        jitter=result.jitter,
+        oom=result.oom,
+        flops_source=info.flops_source,
+    )

@@ -1,0 +1,1 @@
+"""The discrete-event simulator (SimPy) and its caching-allocator model."""

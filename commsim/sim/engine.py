@@ -1,0 +1,521 @@
+"""The SimPy discrete-event engine: hosts, streams, collectives, links, allocators.
+
+Per simulated rank:
+
+* a **host** process issues the program in order: host work takes its duration,
+  host syncs block until their ops / stream / device are done, allocs and frees go
+  to the rank's caching allocator (a miss that needs a cache flush first waits for
+  the whole device, then pays cudaFree / cudaMalloc), and device ops are queued on
+  their stream (the host blocks while a stream already holds ``launch_queue_depth``
+  pending ops, like CUDA's bounded launch queue);
+* one process per **stream** runs its ops in issue order once their deps are done;
+  compute and copies take the cost model's time (compute slowed while a collective
+  runs on the same device, and jittered per rank by a seeded RNG);
+* a **collective** starts when every simulated member of its group has reached it
+  (matching by group and sequence number), then takes its latency plus a fluid
+  transfer whose bytes are spread over the links it uses; concurrent transfers share
+  each link's bandwidth equally.
+
+Symmetric mode simulates rank 0 alone: its collectives start as soon as it reaches
+them, as if every identical rank arrived at the same moment. Per-rank mode simulates
+every rank (jitter, stragglers, one rank's allocator flush delaying the others).
+Time is integer nanoseconds.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from math import ceil
+
+import simpy
+
+from commsim.hardware.costs import CostModel, Link
+from commsim.ir import ops as O
+from commsim.ir.schedule import Schedule
+from commsim.sim.allocator import Block, CachingAllocator, OutOfMemory
+
+HOST = "host"
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    mode: str = "auto"  # "symmetric", "per-rank" or "auto"
+    seed: int = 0
+    # Relative standard deviation of compute-kernel durations per rank (None: 1% in
+    # per-rank mode, 0 in symmetric mode). Run-to-run kernel variation of about 1% is
+    # typical on datacenter GPUs; `commsim calibrate` measures it.
+    jitter: float | None = None
+    launch_queue_depth: int = 1024  # CUDA's pending-launch queue holds about 1024 kernels
+    alloc_hit_ns: int = 1_000  # caching-allocator hit: about 1 us of host time (allocator.md)
+    keep_trace: bool = True
+    # Steps simulated before the measured one, so the caching allocator starts the
+    # measured step warm, as in steady-state training.
+    warmup_steps: int = 1
+
+
+@dataclass(slots=True)
+class OpRecord:
+    rank: int
+    stream: str
+    op: O.Op
+    issue_ns: int
+    start_ns: int
+    end_ns: int
+    wait_peers_ns: int = 0  # collective: time waiting for the slowest member
+    last_dep: O.OpId | None = None  # which dep finished last (None: none, or issue was last)
+    ready_ns: int = 0  # when deps and stream order allowed it to start
+
+
+@dataclass(slots=True)
+class HostBlock:
+    """An interval in which the host was blocked, and why."""
+
+    start_ns: int
+    end_ns: int
+    reason: str
+
+
+@dataclass
+class RankResult:
+    rank: int
+    start_ns: int = 0  # when the measured step began on this rank
+    records: list[OpRecord] = field(default_factory=list)
+    host_blocks: list[HostBlock] = field(default_factory=list)
+    end_ns: int = 0
+    allocator: CachingAllocator | None = None
+    flush_times_ns: list[int] = field(default_factory=list)
+    memory_samples: list[tuple[int, int, int]] = field(default_factory=list)  # (t, allocated, reserved)
+
+
+@dataclass
+class SimResult:
+    mode: str
+    ranks: dict[int, RankResult]
+    step_time_ns: int
+    oom: str | None = None
+    seed: int = 0
+    jitter: float = 0.0
+
+
+class _Rendezvous:
+    __slots__ = ("expected", "arrived", "event", "done")
+
+    def __init__(self, env: simpy.Environment, expected: int):
+        self.expected = expected
+        self.arrived = 0
+        self.event = env.event()  # succeeds with the start time once all have arrived
+        self.done: simpy.Event | None = None
+
+
+class _Transfer:
+    __slots__ = ("demands", "remaining", "rate", "event")
+
+    def __init__(self, demands, event):
+        self.demands = demands
+        self.remaining = 1.0
+        self.rate = 0.0
+        self.event = event
+
+
+class FluidNetwork:
+    """Links with bandwidth shared equally between the transfers crossing them."""
+
+    def __init__(self, env: simpy.Environment, capacity):
+        self.env = env
+        self.capacity = capacity
+        self.active: list[_Transfer] = []
+        self.users: dict[Link, int] = {}
+        self.last = 0
+        self.generation = 0
+
+    def start(self, demands: tuple[tuple[Link, float], ...]) -> simpy.Event:
+        ev = self.env.event()
+        demands = tuple((l, b) for l, b in demands if b > 0)
+        if not demands:
+            ev.succeed()
+            return ev
+        self._advance()
+        t = _Transfer(demands, ev)
+        self.active.append(t)
+        for l, _ in demands:
+            self.users[l] = self.users.get(l, 0) + 1
+        self._reschedule()
+        return ev
+
+    def _advance(self) -> None:
+        dt = self.env.now - self.last
+        if dt:
+            for t in self.active:
+                t.remaining -= t.rate * dt
+        self.last = self.env.now
+
+    def _reschedule(self) -> None:
+        self.generation += 1
+        if not self.active:
+            return
+        soonest = None
+        for t in self.active:
+            # progress per ns: the tightest link's share of bandwidth over its bytes
+            t.rate = min(self.capacity(l) / self.users[l] / b for l, b in t.demands) / 1e9
+            eta = t.remaining / t.rate
+            soonest = eta if soonest is None or eta < soonest else soonest
+        gen = self.generation
+        wake = self.env.timeout(max(0, ceil(soonest - 1e-6)))
+        wake.callbacks.append(lambda _ev, gen=gen: self._wake(gen))
+
+    def _wake(self, gen: int) -> None:
+        if gen != self.generation:
+            return
+        self._advance()
+        done = [t for t in self.active if t.remaining <= 1e-9 * max(1.0, t.rate)]
+        if not done:  # rounding: finish the closest one
+            done = [min(self.active, key=lambda t: t.remaining)]
+        for t in done:
+            self.active.remove(t)
+            for l, _ in t.demands:
+                self.users[l] -= 1
+            t.event.succeed()
+        self._reschedule()
+
+
+class _RankSim:
+    """One simulated rank: its host process, stream processes and allocator."""
+
+    def __init__(self, sim: "Simulator", rank: int):
+        self.sim = sim
+        self.env = sim.env
+        self.rank = rank
+        self.program = sim.schedule.program_of(rank)
+        self.result = RankResult(rank)
+        self.alloc = CachingAllocator(sim.cost.hbm_bytes)
+        self.result.allocator = self.alloc
+        self.done: dict[O.OpId, simpy.Event] = {}
+        self.queues: dict[str, deque] = {}
+        self.wakeups: dict[str, simpy.Event | None] = {}
+        self.space: dict[str, simpy.Event | None] = {}
+        self.last_issued: dict[str, simpy.Event] = {}
+        self.blocks: dict[str, Block] = {}
+        self.block_stream: dict[str, str] = {}
+        self.buffer_streams: dict[str, set[str]] = {}
+        self.pending_frees: list[tuple[Block, list[simpy.Event]]] = []
+        self.active_comm = 0
+        self.coll_seq: dict[tuple[int, ...], int] = {}
+        self.record_of: dict[O.OpId, OpRecord] = {}
+        self.rng = random.Random(sim.config.seed * 1_000_003 + rank)
+        self.jitter = sim.jitter
+        self.finished_issuing = False
+
+    # ------------------------------------------------------------ setup
+    def run_setup(self) -> None:
+        for op in self.program.setup:
+            res = self.alloc.malloc(op.size_bytes, op.stream)
+            if res is None:
+                res = self.alloc.malloc_after_flush(op.size_bytes, op.stream)
+            self.blocks[op.buffer] = res.block
+            self.block_stream[op.buffer] = op.stream
+            self.buffer_streams[op.buffer] = set()
+
+    # ------------------------------------------------------------ host
+    def host(self):
+        env = self.env
+        for step in range(self.sim.config.warmup_steps + 1):
+            measured = step == self.sim.config.warmup_steps
+            if measured:
+                # Step boundary: everything of the previous step has finished.
+                pending = [e for e in self.last_issued.values() if not e.processed]
+                if pending:
+                    yield simpy.AllOf(env, pending)
+                self.result.start_ns = env.now
+                self.result.records.clear()
+                self.result.host_blocks.clear()
+                self.result.flush_times_ns.clear()
+                self.result.memory_samples.clear()
+                self.alloc.stats.peak_allocated_bytes = self.alloc.stats.allocated_bytes
+                self.alloc.stats.peak_reserved_bytes = self.alloc.stats.reserved_bytes
+                self.alloc.stats.num_alloc_retries = 0
+            yield from self._issue_step()
+        self.finished_issuing = True
+        for stream, w in list(self.wakeups.items()):
+            if w is not None:
+                self.wakeups[stream] = None
+                w.succeed()
+
+    def _issue_step(self):
+        env = self.env
+        rec = self.sim.config.keep_trace
+        for op in self.program.step:
+            t0 = env.now
+            if isinstance(op, O.HostWork):
+                yield env.timeout(op.duration_ns)
+                if rec:
+                    self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
+            elif isinstance(op, O.HostSync):
+                evs = self._sync_events(op)
+                pending = [e for e in evs if not e.processed]
+                if pending:
+                    yield simpy.AllOf(env, pending)
+                if env.now > t0:
+                    self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(op, evs)))
+                if rec:
+                    self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
+            elif isinstance(op, O.Alloc):
+                yield from self._malloc(op)
+                if rec:
+                    self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
+            elif isinstance(op, O.Free):
+                self._free(op)
+            else:
+                q = self.queues.get(op.stream)
+                if q is None:
+                    self._start_stream(op.stream)
+                    q = self.queues[op.stream]
+                while len(q) >= self.sim.config.launch_queue_depth:
+                    ev = env.event()
+                    self.space[op.stream] = ev
+                    yield ev
+                if env.now > t0:
+                    self.result.host_blocks.append(HostBlock(t0, env.now, "launch_queue"))
+                done = env.event()
+                self.done[op.id] = done
+                self.last_issued[op.stream] = done
+                for b in op.buffers:
+                    s = self.buffer_streams.get(b)
+                    if s is not None:
+                        s.add(op.stream)
+                q.append((op, env.now))
+                w = self.wakeups.get(op.stream)
+                if w is not None:
+                    self.wakeups[op.stream] = None
+                    w.succeed()
+
+    def _sync_events(self, op: O.HostSync) -> list[simpy.Event]:
+        if op.scope is O.SyncScope.OPS:
+            return [self.done[d] for d in op.deps]
+        if op.scope is O.SyncScope.STREAM:
+            e = self.last_issued.get(op.stream)
+            return [e] if e is not None else []
+        return list(self.last_issued.values())
+
+    def _sync_reason(self, op: O.HostSync, evs: list[simpy.Event]) -> str:
+        """The kind of the awaited op that finished last: what the host really waited on."""
+        last = None
+        for e in evs:
+            r = self.record_of.get(e.value) if e.ok else None
+            if r is not None and (last is None or r.end_ns > last.end_ns):
+                last = r
+        return _stall_kind(last.op) if last is not None else "sync"
+
+    def _process_pending_frees(self) -> None:
+        if not self.pending_frees:
+            return
+        keep = []
+        for block, evs in self.pending_frees:
+            if all(e.processed for e in evs):
+                self.alloc.free(block)
+            else:
+                keep.append((block, evs))
+        self.pending_frees = keep
+
+    def _malloc(self, op: O.Alloc):
+        env, cost = self.env, self.sim.cost
+        self._process_pending_frees()
+        res = self.alloc.malloc(op.size_bytes, op.stream)
+        t0 = env.now
+        if res is None:
+            # Flush: synchronise every stream, free all entirely free segments, retry.
+            self.result.flush_times_ns.append(t0)
+            pending = [e for e in self.last_issued.values() if not e.processed]
+            if pending:
+                yield simpy.AllOf(env, pending)
+            self._process_pending_frees()
+            try:
+                res = self.alloc.malloc_after_flush(op.size_bytes, op.stream)
+            except OutOfMemory as e:
+                self.sim.oom = f"rank {self.rank}: {e} at `{op.label}` ({op.buffer})"
+                self.sim.stop.succeed() if not self.sim.stop.triggered else None
+                yield env.event()  # never resumes
+                return
+            delay = sum(cost.free_base_ns + int(cost.free_ns_per_byte * s) for s in res.freed_segment_bytes)
+            delay += cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes)
+            yield env.timeout(delay)
+            self.result.host_blocks.append(HostBlock(t0, env.now, "allocator_flush"))
+        elif res.new_segment_bytes:
+            # cudaMalloc synchronises the device (allocator.md), then maps the segment.
+            pending = [e for e in self.last_issued.values() if not e.processed]
+            if pending:
+                yield simpy.AllOf(env, pending)
+            yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes))
+            self.result.host_blocks.append(HostBlock(t0, env.now, "allocator"))
+        else:
+            yield env.timeout(self.sim.config.alloc_hit_ns)
+        self.blocks[op.buffer] = res.block
+        self.block_stream[op.buffer] = op.stream
+        self.buffer_streams[op.buffer] = set()
+        st = self.alloc.stats
+        self.result.memory_samples.append((env.now, st.allocated_bytes, st.reserved_bytes))
+
+    def _free(self, op: O.Free) -> None:
+        block = self.blocks.pop(op.buffer)
+        home = self.block_stream.pop(op.buffer)
+        # record_stream: the block returns once every other stream that used it has
+        # passed this point (an event recorded on each at free time).
+        evs = [self.last_issued[s] for s in self.buffer_streams.pop(op.buffer, ()) if s != home
+               and s in self.last_issued and not self.last_issued[s].processed]
+        if evs:
+            self.pending_frees.append((block, evs))
+        else:
+            self.alloc.free(block)
+        st = self.alloc.stats
+        self.result.memory_samples.append((self.env.now, st.allocated_bytes, st.reserved_bytes))
+
+    # ------------------------------------------------------------ streams
+    def _start_stream(self, stream: str) -> None:
+        self.queues[stream] = deque()
+        self.wakeups[stream] = None
+        self.space[stream] = None
+        self.env.process(self.stream_proc(stream))
+
+    def stream_proc(self, stream: str):
+        env, q, cost = self.env, self.queues[stream], self.sim.cost
+        rec = self.sim.config.keep_trace
+        while True:
+            if not q:
+                if self.finished_issuing:
+                    return
+                ev = env.event()
+                self.wakeups[stream] = ev
+                yield ev
+                continue
+            op, issued = q.popleft()
+            sp = self.space.get(stream)
+            if sp is not None:
+                self.space[stream] = None
+                sp.succeed()
+            last_dep = None
+            for d in op.deps:
+                e = self.done[d]
+                if not e.processed:
+                    yield e
+                    last_dep = d
+            ready = env.now
+            wait_peers = 0
+            if isinstance(op, O.Collective):
+                start, wait_peers = yield from self._collective(op)
+            else:
+                start = env.now
+                if isinstance(op, O.Compute):
+                    dur = cost.compute_ns(op)
+                    if self.active_comm:
+                        dur = int(dur * cost.comm_slowdown)
+                    if self.jitter:
+                        dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
+                else:
+                    dur = cost.copy_ns(op)
+                yield env.timeout(dur)
+            r = OpRecord(self.rank, stream, op, issued, start, env.now, wait_peers, last_dep, ready)
+            self.record_of[op.id] = r
+            if rec:
+                self.result.records.append(r)
+            self.done[op.id].succeed(op.id)
+
+    def _collective(self, op: O.Collective):
+        env, sim = self.env, self.sim
+        seq = self.coll_seq.get(op.group, 0)
+        self.coll_seq[op.group] = seq + 1
+        key = (op.group, seq)
+        rv = sim.rendezvous.get(key)
+        if rv is None:
+            expected = sum(1 for r in op.group if r in sim.ranks)
+            rv = sim.rendezvous[key] = _Rendezvous(env, expected)
+        arrived = env.now
+        rv.arrived += 1
+        if rv.arrived == rv.expected:
+            del sim.rendezvous[key]
+            env.process(sim.run_collective(op, rv))
+        yield rv.event
+        start = rv.event.value
+        self.active_comm += 1
+        yield rv.done
+        self.active_comm -= 1
+        return start, start - arrived
+
+
+class Simulator:
+    def __init__(self, schedule: Schedule, cost: CostModel, config: SimConfig = SimConfig()):
+        self.schedule = schedule
+        self.cost = cost
+        self.config = config
+        mode = config.mode
+        if mode == "auto":
+            mode = "symmetric" if len(schedule.programs) == 1 else "per-rank"
+        if mode == "symmetric" and len(schedule.programs) != 1:
+            raise ValueError("symmetric mode needs every rank to run the same program")
+        if mode not in ("symmetric", "per-rank"):
+            raise ValueError(f"mode {mode!r}: allowed: symmetric, per-rank, auto")
+        self.mode = mode
+        self.jitter = config.jitter if config.jitter is not None else (0.01 if mode == "per-rank" else 0.0)
+        self.env = simpy.Environment()
+        self.ranks = {0} if mode == "symmetric" else set(range(schedule.world_size))
+        self.nodes = {cost.node_of(r) for r in self.ranks}
+        self.rendezvous: dict[tuple, _Rendezvous] = {}
+        self.network = FluidNetwork(self.env, cost.link_capacity)
+        self.oom: str | None = None
+        self.stop = self.env.event()
+
+    def run_collective(self, op: O.Collective, rv: _Rendezvous):
+        env = self.env
+        plan = self.cost.collective(op)
+        rv.done = env.event()
+        rv.event.succeed(env.now)
+        yield env.timeout(plan.latency_ns)
+        demands = tuple((l, b) for l, b in plan.demands if l[1] in self.nodes)
+        yield self.network.start(demands)
+        rv.done.succeed()
+
+    def run(self) -> SimResult:
+        sims = {r: _RankSim(self, r) for r in sorted(self.ranks)}
+        try:
+            for s in sims.values():
+                s.run_setup()
+        except OutOfMemory as e:
+            return SimResult(self.mode, {r: s.result for r, s in sims.items()}, 0,
+                             oom=f"persistent state does not fit: {e}", seed=self.config.seed, jitter=self.jitter)
+        procs = [self.env.process(s.host()) for s in sims.values()]
+        all_done = simpy.AllOf(self.env, procs)
+        self.env.run(until=simpy.AnyOf(self.env, [all_done, self.stop]))
+        if self.oom is None:
+            self.env.run()  # drain the streams
+        t0 = min((s.result.start_ns for s in sims.values()), default=0)
+        for s in sims.values():
+            _shift(s.result, t0)
+            ends = [r.end_ns for r in s.result.records]
+            s.result.end_ns = max(ends) if ends else 0
+        step = max((s.result.end_ns for s in sims.values()), default=0)
+        return SimResult(self.mode, {r: s.result for r, s in sims.items()}, step, oom=self.oom,
+                         seed=self.config.seed, jitter=self.jitter)
+
+
+def _shift(res: RankResult, t0: int) -> None:
+    """Measured-step times relative to its start."""
+    for r in res.records:
+        r.issue_ns -= t0
+        r.start_ns -= t0
+        r.end_ns -= t0
+        r.ready_ns -= t0
+    for hb in res.host_blocks:
+        hb.start_ns -= t0
+        hb.end_ns -= t0
+    res.flush_times_ns = [t - t0 for t in res.flush_times_ns]
+    res.memory_samples = [(t - t0, a, b) for t, a, b in res.memory_samples]
+    res.start_ns -= t0
+
+
+def _stall_kind(op: O.Op) -> str:
+    if isinstance(op, O.Collective):
+        return {O.CollectiveKind.ALL_GATHER: "all_gather", O.CollectiveKind.REDUCE_SCATTER: "reduce_scatter"}.get(
+            op.kind, "other_comm")
+    if isinstance(op, O.Copy):
+        return "copy"
+    return "sync"

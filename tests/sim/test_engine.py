@@ -1,0 +1,128 @@
+"""Exact event logs of the engine on tiny hand-written schedules."""
+
+from commsim.ir import ops as O
+from commsim.ir.schedule import Program, Schedule
+from commsim.sim.engine import HOST, SimConfig, Simulator
+from tests.sim.fixed_costs import FixedCosts
+
+C, AG = "compute", "allgather"
+
+
+def comp(i, flops, stream=C, deps=(), label=None, buffers=()):
+    return O.Compute(O.OpId(i), stream, label or f"c{i}", O.ComputeKind.GEMM, flops, 0, 0, deps=deps,
+                     buffers=buffers)
+
+
+def coll(i, size, group, stream=AG, deps=(), label=None):
+    return O.Collective(O.OpId(i), stream, label or f"ag{i}", O.CollectiveKind.ALL_GATHER, size, O.DType.UINT8,
+                        group, deps=deps)
+
+
+def run(schedule, mode="per-rank", costs=None, **cfg):
+    cfg.setdefault("jitter", 0.0)
+    cfg.setdefault("warmup_steps", 0)
+    return Simulator(schedule, costs or FixedCosts(), SimConfig(mode=mode, **cfg)).run()
+
+
+def events(result, host=False):
+    out = []
+    for rank, rr in result.ranks.items():
+        for r in rr.records:
+            if r.stream == HOST and not host:
+                continue
+            out.append((r.start_ns, r.end_ns, rank, r.stream, r.op.label))
+    return sorted(out)
+
+
+def test_stream_serialisation_and_cross_stream_wait():
+    prog = Program((), (comp(1, 10), comp(2, 20), comp(3, 5, stream="side", deps=(O.OpId(1),)),
+                        comp(4, 7, stream="side")))
+    res = run(Schedule.uniform(1, prog))
+    assert events(res) == [
+        (0, 10, 0, C, "c1"),
+        (10, 15, 0, "side", "c3"),  # waits for c1 on the other stream
+        (10, 30, 0, C, "c2"),
+        (15, 22, 0, "side", "c4"),  # FIFO after c3
+    ]
+    assert res.step_time_ns == 30
+
+
+def test_collective_waits_for_its_slowest_member():
+    late = Program((), (comp(1, 100), coll(2, 50, (0, 1), stream=C)))
+    early = Program((), (coll(2, 50, (0, 1), stream=C),))
+    res = run(Schedule.from_rank_programs([early, late]))
+    assert events(res) == [(0, 100, 1, C, "c1"), (100, 150, 0, C, "ag2"), (100, 150, 1, C, "ag2")]
+    rec0 = [r for r in res.ranks[0].records if r.op.label == "ag2"][0]
+    assert rec0.wait_peers_ns == 100
+
+
+def test_two_transfers_share_a_link():
+    prog = Program((), (coll(1, 100, (0,), stream="a"), coll(2, 100, (0,), stream="b")))
+    assert events(run(Schedule.uniform(1, prog))) == [(0, 200, 0, "a", "ag1"), (0, 200, 0, "b", "ag2")]
+    # the second one alone on the link after the first finishes early
+    prog = Program((), (coll(1, 50, (0,), stream="a"), coll(2, 100, (0,), stream="b")))
+    # both at half rate until 100 (50 bytes each); then ag2 alone: 50 more bytes in 50 ns
+    assert events(run(Schedule.uniform(1, prog))) == [(0, 100, 0, "a", "ag1"), (0, 150, 0, "b", "ag2")]
+
+
+def test_host_back_pressure_from_the_launch_queue():
+    prog = Program((), (comp(1, 100), comp(2, 10), comp(3, 10),
+                        O.HostWork(O.OpId(4), "after", O.HostKind.PYTHON, 5)))
+    res = run(Schedule.uniform(1, prog), launch_queue_depth=1)
+    host = [(r.start_ns, r.end_ns, r.op.label) for r in res.ranks[0].records if r.stream == HOST]
+    # c1 runs at once, c2 waits in the queue; c3 finds it full until c1 ends at 100.
+    assert host == [(100, 105, "after")]
+    assert [(hb.start_ns, hb.end_ns, hb.reason) for hb in res.ranks[0].host_blocks] == [(0, 100, "launch_queue")]
+
+
+def test_host_sync_blocks_until_its_op_is_done():
+    prog = Program((), (coll(1, 40, (0,)), O.HostSync(O.OpId(2), "wait ag", O.SyncScope.OPS, deps=(O.OpId(1),)),
+                        comp(3, 10)))
+    res = run(Schedule.uniform(1, prog))
+    assert events(res) == [(0, 40, 0, AG, "ag1"), (40, 50, 0, C, "c3")]
+    assert [(hb.start_ns, hb.end_ns, hb.reason) for hb in res.ranks[0].host_blocks] == [(0, 40, "all_gather")]
+
+
+def test_allocator_flush_on_one_rank_stalls_the_collective_on_the_other():
+    MiB = 1 << 20
+    flushing = Program((), (
+        O.Alloc(O.OpId(1), C, "x", "x", 30 * MiB),  # one 30 MiB segment of the 40 MiB device
+        O.Free(O.OpId(2), C, "x", "x"),
+        O.Alloc(O.OpId(3), "other", "y", "y", 30 * MiB),  # other stream: needs a flush
+        coll(4, 1000, (0, 1), stream=C, label="ar"),
+        O.Free(O.OpId(5), "other", "y", "y"),
+    ))
+    calm = Program((), (coll(4, 1000, (0, 1), stream=C, label="ar"),))
+    res = run(Schedule.from_rank_programs([flushing, calm]), costs=FixedCosts(hbm_bytes=40 * MiB))
+    # rank 0: cudaMalloc x (1000 ns, an empty device), then the flush: cudaFree of x's
+    # segment (500) and cudaMalloc of y's (1000) -> issues the collective at 2500.
+    assert events(res) == [(2500, 3500, 0, C, "ar"), (2500, 3500, 1, C, "ar")]
+    assert res.ranks[0].allocator.stats.num_alloc_retries == 1
+    assert [(hb.start_ns, hb.end_ns, hb.reason) for hb in res.ranks[0].host_blocks] == [
+        (0, 1000, "allocator"), (1000, 2500, "allocator_flush")]
+    assert res.ranks[1].records[0].wait_peers_ns == 2500
+
+
+def test_record_stream_defers_reuse_until_the_other_stream_is_done():
+    size = int(19.5 * (1 << 20))  # fills a 20 MiB segment (the rest is too small to split)
+
+    def prog(use_stream):
+        return Program((), (
+            O.Alloc(O.OpId(1), AG, "w", "w", size),
+            comp(2, 100, stream=use_stream, buffers=("w",)),
+            O.Free(O.OpId(3), AG, "w", "w"),  # the host frees at once; the kernel still runs
+            O.Alloc(O.OpId(4), AG, "v", "v", size),
+            O.Free(O.OpId(5), AG, "v", "v"),
+        ))
+
+    # used on the compute stream: w's block waits for that stream, v needs a new segment
+    assert run(Schedule.uniform(1, prog(C))).ranks[0].allocator.stats.num_device_alloc == 2
+    # used only on its own stream: stream order makes immediate reuse safe
+    assert run(Schedule.uniform(1, prog(AG))).ranks[0].allocator.stats.num_device_alloc == 1
+
+
+def test_symmetric_mode_simulates_one_rank():
+    prog = Program((), (comp(1, 10), coll(2, 50, (0, 1, 2, 3), stream=C)))
+    res = run(Schedule.uniform(4, prog), mode="auto")
+    assert res.mode == "symmetric" and list(res.ranks) == [0]
+    assert events(res) == [(0, 10, 0, C, "c1"), (10, 60, 0, C, "ag2")]
