@@ -141,3 +141,16 @@ def test_predict_schedule_file_must_match_cluster(tmp_path):
     assert "has 2 ranks but the cluster has 64 GPUs" in out.stderr
     ok = predict_json("--schedule", str(s), "--nodes", "1", "--gpus-per-node", "2", "--mode", "per-rank")
     assert ok["mode"] == "per-rank" and ok["step_time_s"] > 0
+
+
+def test_predict_with_a_measured_profile(tmp_path):
+    from tests.hardware.test_costs import PROFILE
+
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({**PROFILE, "collectives": {
+        k: {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}} for k in ("all_gather", "reduce_scatter", "all_reduce")}}))
+    res = predict_json("--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16",
+                       "--hw-profile", str(prof))
+    assert res["step_time_s"] > 0 and res["mode"] == "symmetric"
+    out = run("predict", "--hw-profile", str(tmp_path / "missing.json"))
+    assert out.returncode == 2 and "missing.json: cannot read" in out.stderr

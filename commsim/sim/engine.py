@@ -199,7 +199,6 @@ class _RankSim:
         self.blocks: dict[str, Block] = {}
         self.block_stream: dict[str, str] = {}
         self.buffer_streams: dict[str, set[str]] = {}
-        self.pending_frees: list[tuple[Block, list[simpy.Event]]] = []
         self.active_comm = 0
         self.coll_seq: dict[tuple[int, ...], int] = {}
         self.record_of: dict[O.OpId, OpRecord] = {}
@@ -218,10 +217,19 @@ class _RankSim:
             self.buffer_streams[op.buffer] = set()
 
     # ------------------------------------------------------------ host
-    def host(self):
+    def adopt_memory(self, warm: "_RankSim") -> None:
+        """Start from another rank's allocator state (a warm-up already simulated)."""
+        import copy
+
+        alloc, blocks, block_stream = copy.deepcopy((warm.alloc, warm.blocks, warm.block_stream))
+        self.alloc, self.blocks, self.block_stream = alloc, blocks, block_stream
+        self.result.allocator = alloc
+        self.buffer_streams = {b: set() for b in blocks}
+
+    def host(self, warmup_steps: int):
         env = self.env
-        for step in range(self.sim.config.warmup_steps + 1):
-            measured = step == self.sim.config.warmup_steps
+        for step in range(warmup_steps + 1):
+            measured = step == warmup_steps
             if measured:
                 # Step boundary: everything of the previous step has finished.
                 pending = [e for e in self.last_issued.values() if not e.processed]
@@ -245,13 +253,20 @@ class _RankSim:
     def _issue_step(self):
         env = self.env
         rec = self.sim.config.keep_trace
+        depth = self.sim.config.launch_queue_depth
+        # Host work only advances the host's own clock; the simulation waits for it once,
+        # before the next op that interacts with the device or the allocator.
+        host_t = env.now
         for op in self.program.step:
-            t0 = env.now
             if isinstance(op, O.HostWork):
-                yield env.timeout(op.duration_ns)
                 if rec:
-                    self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
-            elif isinstance(op, O.HostSync):
+                    self.result.records.append(OpRecord(self.rank, HOST, op, host_t, host_t, host_t + op.duration_ns))
+                host_t += op.duration_ns
+                continue
+            if host_t > env.now:
+                yield env.timeout(host_t - env.now)
+            t0 = env.now
+            if isinstance(op, O.HostSync):
                 evs = self._sync_events(op)
                 pending = [e for e in evs if not e.processed]
                 if pending:
@@ -267,28 +282,32 @@ class _RankSim:
             elif isinstance(op, O.Free):
                 self._free(op)
             else:
-                q = self.queues.get(op.stream)
+                stream = op.stream
+                q = self.queues.get(stream)
                 if q is None:
-                    self._start_stream(op.stream)
-                    q = self.queues[op.stream]
-                while len(q) >= self.sim.config.launch_queue_depth:
+                    self._start_stream(stream)
+                    q = self.queues[stream]
+                while len(q) >= depth:
                     ev = env.event()
-                    self.space[op.stream] = ev
+                    self.space[stream] = ev
                     yield ev
                 if env.now > t0:
                     self.result.host_blocks.append(HostBlock(t0, env.now, "launch_queue"))
                 done = env.event()
                 self.done[op.id] = done
-                self.last_issued[op.stream] = done
+                self.last_issued[stream] = done
                 for b in op.buffers:
-                    s = self.buffer_streams.get(b)
-                    if s is not None:
-                        s.add(op.stream)
+                    bs = self.buffer_streams.get(b)
+                    if bs is not None:
+                        bs.add(stream)
                 q.append((op, env.now))
-                w = self.wakeups.get(op.stream)
+                w = self.wakeups.get(stream)
                 if w is not None:
-                    self.wakeups[op.stream] = None
+                    self.wakeups[stream] = None
                     w.succeed()
+            host_t = env.now
+        if host_t > env.now:
+            yield env.timeout(host_t - env.now)
 
     def _sync_events(self, op: O.HostSync) -> list[simpy.Event]:
         if op.scope is O.SyncScope.OPS:
@@ -307,20 +326,8 @@ class _RankSim:
                 last = r
         return _stall_kind(last.op) if last is not None else "sync"
 
-    def _process_pending_frees(self) -> None:
-        if not self.pending_frees:
-            return
-        keep = []
-        for block, evs in self.pending_frees:
-            if all(e.processed for e in evs):
-                self.alloc.free(block)
-            else:
-                keep.append((block, evs))
-        self.pending_frees = keep
-
     def _malloc(self, op: O.Alloc):
         env, cost = self.env, self.sim.cost
-        self._process_pending_frees()
         res = self.alloc.malloc(op.size_bytes, op.stream)
         t0 = env.now
         if res is None:
@@ -328,8 +335,7 @@ class _RankSim:
             self.result.flush_times_ns.append(t0)
             pending = [e for e in self.last_issued.values() if not e.processed]
             if pending:
-                yield simpy.AllOf(env, pending)
-            self._process_pending_frees()
+                yield simpy.AllOf(env, pending)  # deferred frees return as their events fire
             try:
                 res = self.alloc.malloc_after_flush(op.size_bytes, op.stream)
             except OutOfMemory as e:
@@ -364,7 +370,15 @@ class _RankSim:
         evs = [self.last_issued[s] for s in self.buffer_streams.pop(op.buffer, ()) if s != home
                and s in self.last_issued and not self.last_issued[s].processed]
         if evs:
-            self.pending_frees.append((block, evs))
+            left = [len(evs)]
+
+            def one_done(_ev: simpy.Event, block: Block = block, left: list[int] = left) -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    self.alloc.free(block)
+
+            for e in evs:
+                e.callbacks.append(one_done)
         else:
             self.alloc.free(block)
         st = self.alloc.stats
@@ -427,8 +441,7 @@ class _RankSim:
         key = (op.group, seq)
         rv = sim.rendezvous.get(key)
         if rv is None:
-            expected = sum(1 for r in op.group if r in sim.ranks)
-            rv = sim.rendezvous[key] = _Rendezvous(env, expected)
+            rv = sim.rendezvous[key] = _Rendezvous(env, sim.expected_members(op.group))
         arrived = env.now
         rv.arrived += 1
         if rv.arrived == rv.expected:
@@ -463,26 +476,60 @@ class Simulator:
         self.network = FluidNetwork(self.env, cost.link_capacity)
         self.oom: str | None = None
         self.stop = self.env.event()
+        self._plans: dict[tuple, tuple[int, tuple]] = {}
+        self._members: dict[tuple[int, ...], int] = {}
+
+    def expected_members(self, group: tuple[int, ...]) -> int:
+        n = self._members.get(group)
+        if n is None:
+            n = self._members[group] = sum(1 for r in group if r in self.ranks)
+        return n
 
     def run_collective(self, op: O.Collective, rv: _Rendezvous):
         env = self.env
-        plan = self.cost.collective(op)
+        key = (op.kind, op.size_bytes, op.group)
+        cached = self._plans.get(key)
+        if cached is None:
+            # Identical collectives recur every layer: plan once. Only links of nodes
+            # that are simulated carry load that other simulated transfers can feel.
+            plan = self.cost.collective(op)
+            cached = self._plans[key] = (plan.latency_ns,
+                                         tuple((l, b) for l, b in plan.demands if l[1] in self.nodes))
+        latency, demands = cached
         rv.done = env.event()
         rv.event.succeed(env.now)
-        yield env.timeout(plan.latency_ns)
-        demands = tuple((l, b) for l, b in plan.demands if l[1] in self.nodes)
+        yield env.timeout(latency)
         yield self.network.start(demands)
         rv.done.succeed()
 
     def run(self) -> SimResult:
         sims = {r: _RankSim(self, r) for r in sorted(self.ranks)}
+        warmup = self.config.warmup_steps
+        warm = None
+        if self.mode == "per-rank" and warmup and len(self.schedule.programs) == 1:
+            # Identical programs reach the same allocator state: simulate the warm-up
+            # once (symmetric, no jitter) and start every rank from a copy of it.
+            from dataclasses import replace as _replace
+
+            pre = Simulator(self.schedule, self.cost, _replace(self.config, mode="symmetric", jitter=0.0,
+                                                               warmup_steps=warmup - 1, keep_trace=False))
+            pre_result = pre.run()
+            if pre_result.oom is not None:
+                return SimResult(self.mode, pre_result.ranks, 0, oom=pre_result.oom, seed=self.config.seed,
+                                 jitter=self.jitter)
+            warm = pre.sims[0]
+            warmup = 0
+        self.sims = sims
         try:
             for s in sims.values():
-                s.run_setup()
+                if warm is not None:
+                    s.adopt_memory(warm)
+                else:
+                    s.run_setup()
         except OutOfMemory as e:
             return SimResult(self.mode, {r: s.result for r, s in sims.items()}, 0,
                              oom=f"persistent state does not fit: {e}", seed=self.config.seed, jitter=self.jitter)
-        procs = [self.env.process(s.host()) for s in sims.values()]
+        procs = [self.env.process(s.host(warmup)) for s in sims.values()]
         all_done = simpy.AllOf(self.env, procs)
         self.env.run(until=simpy.AnyOf(self.env, [all_done, self.stop]))
         if self.oom is None:

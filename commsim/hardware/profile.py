@@ -1,0 +1,172 @@
+"""Measured hardware profiles (written by ``commsim calibrate``) as a cost model.
+
+A profile replaces the spec-derived constants with measurements made with the same
+backend the user will run: GEMM throughput by size, memory-bound bandwidth, copy
+bandwidth, each collective kind's latency and bandwidth by group size (measured per
+kind, never derived from another: gloo's reduce-scatter, for instance, costs a full
+all-reduce), the slowdown of compute while a collective runs, and allocation costs.
+
+Format (JSON)::
+
+    {"kind": "commsim-hw-profile", "schema_version": 1, "description": "...",
+     "backend": "gloo", "ranks_per_node": 2, "memory_bytes": 8589934592,
+     "kernel_overhead_ns": 20000,
+     "gemm": [[flops, flops_per_s], ...],          # ascending flops
+     "elementwise_bytes_per_s": 4e9,
+     "copy": {"d2d_bytes_per_s": 4e9, "h2d_bytes_per_s": 4e9, "latency_ns": 2000},
+     "collectives": {"all_gather": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}, ...},
+     "comm_slowdown": 1.5,
+     "alloc": {"malloc_base_ns": 5000, "malloc_ns_per_byte": 0.0,
+               "free_base_ns": 5000, "free_ns_per_byte": 0.0}}
+
+A collective of ``size_bytes`` over a group of ``p`` ranks takes ``latency_ns +
+size_bytes / bytes_per_s`` alone (nccl-tests' algorithm bandwidth); concurrent
+collectives of one node share a single link, so two at once each take longer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from commsim.hardware.costs import CollectivePlan, Link
+from commsim.ir import ops as O
+from commsim.ir.errors import CommsimInputError
+from commsim.util.files import read_json
+
+PROFILE_SCHEMA_VERSION = 1
+_LINK_UNITS_PER_S = 1e9  # the shared link's capacity; demands are scaled to it
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    latency_ns: int
+    bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    description: str
+    backend: str
+    ranks_per_node: int
+    hbm_bytes: int
+    kernel_overhead_ns: int
+    gemm: tuple[tuple[float, float], ...]
+    elementwise_bytes_per_s: float
+    d2d_bytes_per_s: float
+    h2d_bytes_per_s: float
+    copy_latency_ns: int
+    collectives: dict[str, dict[int, CollectiveFit]]
+    comm_slowdown: float
+    malloc_base_ns: int
+    malloc_ns_per_byte: float
+    free_base_ns: int
+    free_ns_per_byte: float
+
+    @property
+    def describe(self) -> str:
+        return f"profile: {self.description}"
+
+    # ------------------------------------------------------------ CostModel
+    def _gemm_rate(self, flops: float) -> float:
+        xs = [math.log(f) for f, _ in self.gemm]
+        x = math.log(max(flops, 1.0))
+        i = bisect.bisect_left(xs, x)
+        if i <= 0:
+            return self.gemm[0][1]
+        if i >= len(xs):
+            return self.gemm[-1][1]
+        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return self.gemm[i - 1][1] * (1 - t) + self.gemm[i][1] * t
+
+    def compute_ns(self, op: O.Compute) -> int:
+        mem_s = (op.bytes_read + op.bytes_written) / self.elementwise_bytes_per_s
+        flop_s = op.flops / self._gemm_rate(op.flops) if op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION) \
+            else 0.0
+        return self.kernel_overhead_ns + int(max(mem_s, flop_s) * 1e9)
+
+    def copy_ns(self, op: O.Copy) -> int:
+        bw = self.d2d_bytes_per_s if op.direction is O.CopyDirection.D2D else self.h2d_bytes_per_s
+        return self.copy_latency_ns + int(op.size_bytes / bw * 1e9)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def link_capacity(self, link: Link) -> float:
+        return _LINK_UNITS_PER_S
+
+    def collective(self, op: O.Collective) -> CollectivePlan:
+        p = len(op.group)
+        if p == 1:
+            return CollectivePlan("local", self.kernel_overhead_ns, ())
+        fits = self.collectives.get(op.kind.value)
+        if not fits:
+            raise CommsimInputError(f"hardware profile ({self.description}): no measurement of {op.kind.value}; "
+                                    "re-run commsim calibrate")
+        # The measured group size nearest to p (ties: the larger, the more conservative).
+        size = min(fits, key=lambda q: (abs(q - p), -q))
+        fit = fits[size]
+        seconds = op.size_bytes / fit.bytes_per_s
+        nodes = sorted({self.node_of(r) for r in op.group})
+        return CollectivePlan(f"measured/{size}", fit.latency_ns,
+                              tuple((("net", n), seconds * _LINK_UNITS_PER_S) for n in nodes))
+
+
+def _num(obj: dict[str, Any], key: str, where: str, positive: bool = True) -> float:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (positive and v <= 0) or v < 0:
+        raise CommsimInputError(f"{where}: field {key!r} must be a {'positive' if positive else 'non-negative'} "
+                                f"number, got {v!r}")
+    return float(v)
+
+
+def profile_from_dict(obj: Any, where: str) -> HardwareProfile:
+    if not isinstance(obj, dict) or obj.get("kind") != "commsim-hw-profile":
+        raise CommsimInputError(f"{where}: not a commsim hardware profile (missing \"kind\": \"commsim-hw-profile\")")
+    if obj.get("schema_version") != PROFILE_SCHEMA_VERSION:
+        raise CommsimInputError(f"{where}: unsupported profile schema version {obj.get('schema_version')!r}; "
+                                f"this commsim reads {PROFILE_SCHEMA_VERSION}")
+    gemm = obj.get("gemm")
+    if not isinstance(gemm, list) or not gemm or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in p) for p in gemm):
+        raise CommsimInputError(f"{where}: field 'gemm' must be a non-empty list of [flops, flops_per_s] pairs")
+    gemm_t = tuple(sorted((float(a), float(b)) for a, b in gemm))
+    copy = obj.get("copy", {})
+    alloc = obj.get("alloc", {})
+    colls: dict[str, dict[int, CollectiveFit]] = {}
+    allowed = {k.value for k in O.CollectiveKind}
+    for kind, table in dict(obj.get("collectives", {})).items():
+        if kind not in allowed:
+            raise CommsimInputError(f"{where}: collectives.{kind}: not one of {', '.join(sorted(allowed))}")
+        colls[kind] = {}
+        for p, fit in dict(table).items():
+            w = f"{where}: collectives.{kind}.{p}"
+            if not str(p).isdigit() or int(p) < 2:
+                raise CommsimInputError(f"{w}: group sizes are integers >= 2")
+            colls[kind][int(p)] = CollectiveFit(int(_num(fit, "latency_ns", w, positive=False)),
+                                                _num(fit, "bytes_per_s", w))
+    return HardwareProfile(
+        description=str(obj.get("description", "")),
+        backend=str(obj.get("backend", "")),
+        ranks_per_node=int(_num(obj, "ranks_per_node", where)),
+        hbm_bytes=int(_num(obj, "memory_bytes", where)),
+        kernel_overhead_ns=int(_num(obj, "kernel_overhead_ns", where, positive=False)),
+        gemm=gemm_t,
+        elementwise_bytes_per_s=_num(obj, "elementwise_bytes_per_s", where),
+        d2d_bytes_per_s=_num(copy, "d2d_bytes_per_s", f"{where}: copy"),
+        h2d_bytes_per_s=_num(copy, "h2d_bytes_per_s", f"{where}: copy"),
+        copy_latency_ns=int(_num(copy, "latency_ns", f"{where}: copy", positive=False)),
+        collectives=colls,
+        comm_slowdown=_num(obj, "comm_slowdown", where),
+        malloc_base_ns=int(_num(alloc, "malloc_base_ns", f"{where}: alloc", positive=False)),
+        malloc_ns_per_byte=_num(alloc, "malloc_ns_per_byte", f"{where}: alloc", positive=False),
+        free_base_ns=int(_num(alloc, "free_base_ns", f"{where}: alloc", positive=False)),
+        free_ns_per_byte=_num(alloc, "free_ns_per_byte", f"{where}: alloc", positive=False),
+    )
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    return profile_from_dict(read_json(path, CommsimInputError), str(path))

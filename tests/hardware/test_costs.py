@@ -1,0 +1,97 @@
+"""Cost functions from specs and from measured profiles."""
+
+import json
+
+import pytest
+
+from commsim.hardware.costs import SpecCostModel
+from commsim.hardware.profile import load_profile
+from commsim.hardware.specs import NODE_PRESETS, cluster_preset
+from commsim.ir import ops as O
+from commsim.ir.errors import CommsimInputError
+
+
+def ag(size, group):
+    return O.Collective(O.OpId(1), "ag", "x", O.CollectiveKind.ALL_GATHER, size, O.DType.BF16, tuple(group))
+
+
+def test_node_fabric_bandwidths_from_specs():
+    efa = SpecCostModel(cluster_preset("p4d", 2))
+    ib = SpecCostModel(cluster_preset("p4d", 2, "ib"))
+    assert efa.nic_bw == pytest.approx(4 * 12.5e9 * 0.85)  # 4x100 Gb/s EFA at 85%
+    assert ib.nic_bw == pytest.approx(8 * 25e9 * 0.96)  # 8x200 Gb/s HDR at 96%
+    assert efa.nvl_bw == pytest.approx(300e9 * 0.78)
+
+
+def test_ring_all_gather_across_nodes_uses_nccl_latency_terms_and_nic_bytes():
+    m = SpecCostModel(cluster_preset("p4d", 2))
+    plan = m.collective(ag(1 << 30, range(16)))
+    assert plan.algorithm == "ring/Simple"
+    # base 8.4 + (15 - 1) NVLink hops x 3.4 + 1 network hop x (14 + 23 EFA) us
+    assert plan.latency_ns == int((8.4 + 14 * 3.4 + 14.0) * 1000) + 23_000
+    assert dict(plan.demands)[("nic", 0)] == pytest.approx((1 << 30) * 15 / 16)
+    small = m.collective(ag(4096, range(16)))
+    assert small.algorithm == "ring/LL"  # latency-bound: the low-latency protocol wins
+
+
+def test_tree_all_reduce_between_two_nodes_beats_ring_for_large_buffers():
+    m = SpecCostModel(cluster_preset("p4d", 2))
+    ar = O.Collective(O.OpId(1), "c", "x", O.CollectiveKind.ALL_REDUCE, 1 << 30, O.DType.BF16, tuple(range(16)),
+                      reduce_op=O.ReduceOp.SUM)
+    plan = m.collective(ar)
+    assert plan.algorithm == "tree/Simple"
+    assert dict(plan.demands)[("nic", 1)] == pytest.approx(1 << 30)  # the buffer once each way, not 2(p-1)/p
+
+
+def test_gemm_efficiency_falls_for_small_gemms_by_wave_quantisation():
+    m = SpecCostModel(cluster_preset("p4d", 1))
+    big = O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, 2 * 8192**3, 0, 0, O.GemmShape(8192, 8192, 8192))
+    # 64 x 64 = 4096 tiles over 108 SMs: 38 waves, 99.8% wave efficiency
+    assert m.compute_ns(big) == 4000 + int(2 * 8192**3 / (312e12 * 0.75 * (4096 / (38 * 108))) * 1e9)
+    small = O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, 2 * 256 * 256 * 8192, 0, 0, O.GemmShape(256, 256, 8192))
+    # 4 tiles on 108 SMs: 4/108 efficiency
+    assert m.compute_ns(small) == 4000 + int(2 * 256 * 256 * 8192 / (312e12 * 0.75 * 4 / 108) * 1e9)
+
+
+def test_net_switch_keeps_the_node():
+    c = cluster_preset("p4d", 4, "ib")
+    assert c.node.gpu == NODE_PRESETS["p4d"].gpu and c.node.fabric.kind == "ib"
+    with pytest.raises(CommsimInputError, match=r"--cluster 'p6': allowed: p4d, p5"):
+        cluster_preset("p6", 1)
+
+
+PROFILE = {
+    "kind": "commsim-hw-profile", "schema_version": 1, "description": "test", "backend": "gloo",
+    "ranks_per_node": 2, "memory_bytes": 1 << 33, "kernel_overhead_ns": 1000,
+    "gemm": [[1e6, 1e9], [1e9, 1e10]], "elementwise_bytes_per_s": 2e9,
+    "copy": {"d2d_bytes_per_s": 4e9, "h2d_bytes_per_s": 4e9, "latency_ns": 100},
+    "collectives": {"all_gather": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}},
+                    "reduce_scatter": {"2": {"latency_ns": 250000, "bytes_per_s": 5e8}}},
+    "comm_slowdown": 1.5,
+    "alloc": {"malloc_base_ns": 5000, "malloc_ns_per_byte": 0, "free_base_ns": 5000, "free_ns_per_byte": 0},
+}
+
+
+def test_profile_costs(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(PROFILE))
+    p = load_profile(path)
+    plan = p.collective(ag(10**6, (0, 1)))
+    assert plan.latency_ns == 200000
+    assert plan.demands == ((("net", 0), 1e-3 * 1e9),)  # 1 MB at 1 GB/s = 1 ms of link time
+    rs = O.Collective(O.OpId(1), "r", "x", O.CollectiveKind.REDUCE_SCATTER, 10**6, O.DType.BF16, (0, 1),
+                      reduce_op=O.ReduceOp.SUM)
+    assert dict(p.collective(rs).demands)[("net", 0)] == pytest.approx(2e-3 * 1e9)  # measured per kind
+    gemm = O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, 10**9, 0, 0)
+    assert p.compute_ns(gemm) == 1000 + int(1e9 / 1e10 * 1e9)
+    ar = O.Collective(O.OpId(1), "c", "x", O.CollectiveKind.ALL_REDUCE, 8, O.DType.FP64, (0, 1),
+                      reduce_op=O.ReduceOp.SUM)
+    with pytest.raises(CommsimInputError, match="no measurement of all_reduce; re-run commsim calibrate"):
+        p.collective(ar)
+
+
+def test_bad_profile(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**PROFILE, "comm_slowdown": -1}))
+    with pytest.raises(CommsimInputError, match=r"p.json: field 'comm_slowdown' must be a positive number, got -1"):
+        load_profile(path)
