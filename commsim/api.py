@@ -40,6 +40,7 @@ class Scenario:
     micro_batch: int | None = None  # None: the config's, else 16
     seq: int = 512
     checkpointing: bool = True
+    checkpoint_style: str = "reentrant"  # torch.utils.checkpoint use_reentrant=True (HF's default) or non_reentrant
     schedule: str | None = None  # a schedule file instead of generating one
     hw_profile: str | None = None
     mode: str = "auto"
@@ -113,7 +114,8 @@ def build_schedule(sc: Scenario):
         micro = 16  # the seed scenario
     md = describe(resolve_model(sc.model), micro, sc.seq, ds.param_dtype_bytes)
     knobs = knobs_from(sc.preset, list(sc.knobs))
-    schedule = generate(md, world, ds, knobs, checkpointing=sc.checkpointing, grad_accum=gas, preset=sc.preset)
+    schedule = generate(md, world, ds, knobs, checkpointing=sc.checkpointing, grad_accum=gas, preset=sc.preset,
+                        checkpoint_style=sc.checkpoint_style)
     info = step_info(md, world.size, sc.nodes, gas, sc.checkpointing, cluster.node.price_usd_per_hour)
     return schedule, md, info, ds.precision
 
@@ -185,7 +187,7 @@ def predict_scenario(args: Any) -> Prediction:
         model=args.model, cluster=args.cluster, nodes=args.nodes,
         gpus_per_node=args.gpus_per_node, net=args.net, stage=args.stage, preset=args.preset,
         knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
-        checkpointing=not args.no_checkpointing, schedule=args.schedule, hw_profile=args.hw_profile,
+        checkpointing=not args.no_checkpointing, checkpoint_style=args.checkpoint_style, schedule=args.schedule, hw_profile=args.hw_profile,
         mode=args.mode, seed=args.seed, jitter=args.jitter,
     )
     pred = predict(sc)

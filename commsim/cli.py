@@ -151,7 +151,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     sc = Scenario(model=args.model, cluster=args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                   stage=args.stage, preset=args.preset, knobs=tuple(args.knob or ()), ds_config=args.ds_config,
-                  micro_batch=args.micro_batch, seq=args.seq, checkpointing=not args.no_checkpointing)
+                  micro_batch=args.micro_batch, seq=args.seq, checkpointing=not args.no_checkpointing,
+                  checkpoint_style=args.checkpoint_style)
     schedule = build_schedule(sc)[0]
     for w in sc.warnings:
         print(f"commsim: warning: {w}", file=sys.stderr)
@@ -186,6 +187,9 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=_positive_int, default=512, help="sequence length (default 512)")
     p.add_argument("--no-checkpointing", action="store_true",
                    help="disable layer-wise activation checkpointing (on by default)")
+    p.add_argument("--checkpoint-style", choices=("reentrant", "non_reentrant"), default="reentrant",
+                   help="torch.utils.checkpoint flavour: reentrant (Hugging Face's default) recomputes a layer "
+                   "before its backward hooks; non_reentrant after the first one")
 
 
 # ---------------------------------------------------------------- predict
@@ -233,6 +237,84 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if m.cost_usd_per_step == m.cost_usd_per_step and m.cost_usd_per_step > 0:
         print(f"{'cost':<22}${m.cost_usd_per_step:.3f} per step, ${m.cost_usd_per_million_tokens:.2f} per million tokens")
     return 0
+
+
+# ---------------------------------------------------------------- record / compare
+
+
+_SITECUSTOMIZE = """# written by commsim record: wrap torch.distributed.ProcessGroup before the framework loads
+import runtime.record as _commsim_record
+_commsim_record.install_from_env()
+"""
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+    import tempfile
+
+    from commsim.ir.trace import Trace
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise CommsimInputError("commsim record: give the command to run after --, e.g. "
+                                "commsim record -o rec -- torchrun --nproc-per-node 2 train.py")
+    out = Path(args.output)
+    if out.exists() and any(out.glob("rank*.json")):
+        raise CommsimInputError(f"-o {out}: already holds recorded traces; choose an empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="commsim-record-") as hook_dir:
+        Path(hook_dir, "sitecustomize.py").write_text(_SITECUSTOMIZE)
+        env = dict(os.environ)
+        # the repository root (so `runtime` imports even when commsim is not installed)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([hook_dir, root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["COMMSIM_RECORD_DIR"] = str(out.resolve())
+        try:
+            rc = subprocess.run(cmd, env=env).returncode
+        except FileNotFoundError:
+            raise CommsimInputError(f"commsim record: command not found: {cmd[0]}") from None
+    files = sorted(out.glob("rank*.json"))
+    for f in files:
+        t = Trace.load(f)
+        kinds: dict[str, int] = {}
+        for r in t.records:
+            kinds[r.kind] = kinds.get(r.kind, 0) + 1
+        steps = 1 + max((r.step for r in t.records), default=0)
+        desc = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+        print(f"{f}: {len(t.records)} calls over {steps} step(s): {desc}")
+    if not files:
+        print(f"commsim record: the command sent no collectives (nothing written to {out})", file=sys.stderr)
+    if rc != 0:
+        print(f"commsim record: the command exited with status {rc}", file=sys.stderr)
+    return rc
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if not args.collectives:
+        raise CommsimInputError("commsim compare: only --collectives is available in this build "
+                                "(predicted vs measured traces come with commsim execute)")
+    from commsim.report.collectives import align, load_recorded, recorded_sequence, schedule_sequence
+
+    recorded = recorded_sequence(load_recorded(args.first, args.rank))
+    schedule = load_schedule_any(args.second)
+    expected = schedule_sequence(schedule, args.rank)
+    a = align(expected, recorded)
+    if args.json:
+        print(json.dumps({"match": a.ok, "expected": a.expected, "matches": [list(m) for m in a.matches],
+                          "best_start": a.best_start, "best_length": a.best_length,
+                          "mismatch": a.mismatch}))
+        return 0 if a.ok else 1
+    if a.ok:
+        where = ", ".join(f"call {i} (step {s})" for i, s in a.matches)
+        print(f"match: the schedule's {a.expected} collectives per step occur in the recording at {where}")
+        return 0
+    exp, rec = a.mismatch or (None, None)
+    print(f"no match: the longest agreement is {a.best_length} of {a.expected} collectives from recorded call "
+          f"{a.best_start}; then the schedule has {exp} and the recording {rec}")
+    return 1
 
 
 # ---------------------------------------------------------------- parser
@@ -299,6 +381,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write a timeline plot of the step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_predict)
+    p = sub.add_parser("record", help="run a real training command and record every collective it sends",
+                       description="Run CMD (a DeepSpeed / FSDP script, under torchrun or not) with every "
+                       "torch.distributed collective recorded (kind, bytes, dtype, group, order, timing, phase, "
+                       "step); each rank writes rank<N>.json into the output folder. Needs torch.")
+    p.add_argument("-o", "--output", default="recorded", help="output folder (default ./recorded)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run")
+    p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("compare", help="compare a recording with a schedule (--collectives)",
+                       description="--collectives RECORDED SCHEDULE: does the schedule's per-step collective "
+                       "sequence (kind, order, bytes) occur in the recorded run? Exit 0 if it does, 1 if not.")
+    p.add_argument("first", help="recorded trace, or a commsim record folder")
+    p.add_argument("second", help="schedule file")
+    p.add_argument("--collectives", action="store_true", help="compare collective sequences")
+    p.add_argument("--rank", type=int, default=0, help="which rank to compare (default 0)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_compare)
     return parser
 
 

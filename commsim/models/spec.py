@@ -76,6 +76,10 @@ class ModuleSpec:
     block: int | None  # transformer layer index: the activation-checkpointing unit
     fwd: tuple[Kernel, ...]
     bwd: tuple[Kernel, ...]
+    # How many of the modules that follow (in forward order) run inside this one: a
+    # container with parameters of its own (e.g. RoBERTa's lm_head, which owns the
+    # decoder bias) is fetched before its children and released after them.
+    encloses: int = 0
 
     @property
     def numel(self) -> int:
@@ -109,6 +113,9 @@ class ModelDescription:
     seq_len: int
     dtype_bytes: int  # bytes per element of 16-bit params / activations
     arch: ArchInfo | None = None
+    # Parameter names in named_parameters() order (registration order), when it differs
+    # from first use: ZeRO-3 orders its persistent-parameter list this way.
+    param_order: tuple[str, ...] = ()
 
     # ------------------------------------------------------------ parameters
     def unique_params(self) -> tuple[ParamSpec, ...]:
@@ -121,6 +128,15 @@ class ModelDescription:
                 else:
                     seen[p.name] = p
         return tuple(seen.values())
+
+    def registered_params(self) -> tuple[ParamSpec, ...]:
+        """Each parameter once, in named_parameters() order."""
+        first_use = self.unique_params()
+        if not self.param_order:
+            return first_use
+        by_name = {p.name: p for p in first_use}
+        assert set(self.param_order) == set(by_name), "param_order must name every parameter once"
+        return tuple(by_name[n] for n in self.param_order)
 
     @property
     def num_params(self) -> int:

@@ -34,20 +34,21 @@ class World:
 
 def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Knobs,
              checkpointing: bool = True, grad_accum: int = 1, costs: HostCosts | None = None,
-             preset: str = "") -> Schedule:
+             preset: str = "", checkpoint_style: str = "reentrant") -> Schedule:
     stage = ds.zero.stage
     if stage != 3:
         raise CommsimInputError(
             f"ds_config: zero_optimization.stage {stage}: only stage 3 is lowered so far (stages 0-2 are in progress)"
         )
-    lowering = Zero3Lowering(md, world.size, ds, knobs, costs or HostCosts(), checkpointing, grad_accum)
+    lowering = Zero3Lowering(md, world.size, ds, knobs, costs or HostCosts(), checkpointing, grad_accum,
+                             checkpoint_style)
     program = lowering.program()
     meta = ScheduleMeta(
         model=md.name,
         strategy=f"zero{stage}",
         knobs=(("preset", preset),) + knobs.as_pairs() + (
             ("nodes", world.nodes), ("gpus_per_node", world.gpus_per_node), ("micro_batch", md.micro_batch),
-            ("seq_len", md.seq_len), ("precision", ds.precision), ("checkpointing", checkpointing),
+            ("seq_len", md.seq_len), ("precision", ds.precision), ("checkpointing", checkpointing), ("checkpoint_style", checkpoint_style),
             ("grad_accum", grad_accum), ("overlap_comm", ds.zero.overlap_comm),
             ("reduce_bucket_size", ds.zero.reduce_bucket_size),
             ("prefetch_bucket_size", ds.zero.prefetch_bucket_size),

@@ -44,32 +44,100 @@ COMPUTE = "compute"
 NA, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"
 
 
+CHECKPOINT_STYLES = ("reentrant", "non_reentrant")
+
+
 @dataclass(frozen=True, slots=True)
 class TraceEntry:
+    """One step of the hook sequence: fetch (a hook call), run the kernels, release."""
+
     module: ModuleSpec
     phase: str  # "fwd", "recompute" or "bwd"
+    fetch: bool = True  # a pre-forward / pre-backward hook call (a position in DeepSpeed's trace)
+    run: bool = True  # the module's kernels
+    release: bool = True  # its post hook (release)
 
 
-def module_trace(md: ModelDescription, checkpointing: bool) -> list[TraceEntry]:
-    """The order in which ZeRO-3's hooks see submodules in one forward + backward."""
-    fwd = [TraceEntry(m, "fwd") for m in md.modules]
-    bwd: list[TraceEntry] = []
-    mods = list(md.modules)
-    i = len(mods) - 1
-    while i >= 0:
+def _walk(mods: list[ModuleSpec], order: list[int], phase: str) -> list[TraceEntry]:
+    """Entries for modules visited in ``order``; a container (``encloses`` > 0) opens with
+    its fetch and closes with its release once all its visited descendants are done."""
+    members = set(order)
+    out: list[TraceEntry] = []
+    open_: list[list[int]] = []  # [container index, descendants still to visit]
+    for i in order:
         m = mods[i]
-        if m.block is None or not checkpointing:
-            bwd.append(TraceEntry(m, "bwd"))
-            i -= 1
+        out.append(TraceEntry(m, phase, True, False, False) if m.encloses else TraceEntry(m, phase))
+        for c in open_:
+            if c[0] < i <= c[0] + mods[c[0]].encloses:
+                c[1] -= 1
+        if m.encloses:
+            open_.append([i, sum(1 for j in range(i + 1, i + m.encloses + 1) if j in members)])
+        while open_ and open_[-1][1] == 0:
+            out.append(TraceEntry(mods[open_.pop()[0]], phase, False, False, True))
+    while open_:
+        out.append(TraceEntry(mods[open_.pop()[0]], phase, False, False, True))
+    return out
+
+
+def module_trace(md: ModelDescription, checkpointing: bool, style: str = "reentrant") -> list[TraceEntry]:
+    """The order in which ZeRO-3's hooks see submodules in one forward + backward.
+
+    Forward: pre-forward hooks in module order (containers before their children),
+    post-forward hooks (releases) as each module finishes. Backward: pre-backward hooks
+    in reverse order of forward completion (so a container precedes its children).
+    Layer-wise checkpointing re-runs a layer's forward inside backward: ``reentrant``
+    (torch.utils.checkpoint use_reentrant=True, Hugging Face's default) recomputes the
+    whole layer before any of its backward hooks; ``non_reentrant`` first fires the
+    pre-backward hook of the layer's last module, then recomputes (stopping early
+    inside that module, whose recompute is never released), then runs the backward.
+    Both orders were recorded from DeepSpeed 0.19 on this machine.
+    """
+    if style not in CHECKPOINT_STYLES:
+        raise CommsimInputError(f"checkpoint style {style!r}: allowed: {', '.join(CHECKPOINT_STYLES)}")
+    mods = list(md.modules)
+    # forward completion: a module finishes after those it encloses
+    keys = [(i + m.encloses, -i) for i, m in enumerate(mods)]
+    trace = _walk(mods, list(range(len(mods))), "fwd")
+    bwd_order = sorted(range(len(mods)), key=lambda i: keys[i], reverse=True)
+    pos = 0
+    while pos < len(bwd_order):
+        block = mods[bwd_order[pos]].block
+        if block is None or not checkpointing:
+            j = pos
+            while j < len(bwd_order) and (mods[bwd_order[j]].block is None or not checkpointing):
+                j += 1
+            trace.extend(_walk(mods, bwd_order[pos:j], "bwd"))
+            pos = j
             continue
-        j = i
-        while j >= 0 and mods[j].block == m.block:
-            j -= 1
-        block = mods[j + 1:i + 1]
-        bwd.extend(TraceEntry(b, "recompute") for b in block)
-        bwd.extend(TraceEntry(b, "bwd") for b in reversed(block))
-        i = j
-    return fwd + bwd
+        j = pos
+        while j < len(bwd_order) and mods[bwd_order[j]].block == block:
+            j += 1
+        members_bwd = bwd_order[pos:j]
+        members_fwd = sorted(members_bwd)
+        pos = j
+        if style == "reentrant":
+            trace.extend(_walk(mods, members_fwd, "recompute"))
+            trace.extend(_walk(mods, members_bwd, "bwd"))
+            continue
+        early: set[int] = set()
+        for k in members_bwd:
+            early.add(k)
+            trace.append(TraceEntry(mods[k], "bwd", True, False, False))
+            if mods[k].fwd or mods[k].bwd:
+                break
+        for e in _walk(mods, members_fwd, "recompute"):
+            if id(e.module) in {id(mods[k]) for k in early}:
+                if e.fetch or e.run:
+                    trace.append(TraceEntry(e.module, "recompute", e.fetch, e.run, False))
+            else:
+                trace.append(e)
+        for e in _walk(mods, members_bwd, "bwd"):
+            if id(e.module) in {id(mods[k]) for k in early} and e.fetch:
+                if not e.module.encloses:
+                    trace.append(TraceEntry(e.module, "bwd", False, True, True))
+            else:
+                trace.append(e)
+    return trace
 
 
 @dataclass
@@ -84,7 +152,7 @@ class Zero3Lowering:
     """One rank's program (all ranks are symmetric in plain ZeRO-3)."""
 
     def __init__(self, md: ModelDescription, world_size: int, ds: DeepSpeedConfig, knobs: Knobs,
-                 costs: HostCosts, checkpointing: bool, grad_accum: int):
+                 costs: HostCosts, checkpointing: bool, grad_accum: int, checkpoint_style: str = "reentrant"):
         z = ds.zero
         if z.offload_param.device != "none" or z.offload_optimizer.device != "none":
             raise CommsimInputError("ds_config: zero_optimization.offload_*: CPU/NVMe offload is not modelled yet")
@@ -98,11 +166,11 @@ class Zero3Lowering:
         self.ag_stream = "allgather" if z.overlap_comm else COMPUTE
         self.rs_stream = "reduce" if z.overlap_comm else COMPUTE
         self.b = ProgramBuilder()
-        self.params = md.unique_params()  # ds_id order
+        self.params = md.registered_params()  # ds_id / named_parameters order
         self.ds_id = {p.name: i for i, p in enumerate(self.params)}
         self.part = {p.name: ceil(p.numel / world_size) for p in self.params}
         self.persistent = self._persistent()
-        self.trace = module_trace(md, checkpointing)
+        self.trace = module_trace(md, checkpointing, checkpoint_style)
         self.n_ag = 0
         self.n_rs = 0
 
@@ -223,6 +291,8 @@ class Zero3Lowering:
         m = e.module
         b.host(f"hook {m.path}", O.HostKind.PYTHON, c.module_hook_ns)
         params = sorted({p.name: p for p in m.params}.values(), key=lambda p: self.ds_id[p.name])
+        for p in params:
+            self.holders[p.name].add(m.path)
         examined = len(params)
         self._all_gather(params, "fetch")
         for p in params:
@@ -267,13 +337,18 @@ class Zero3Lowering:
         release = {n for n in release if self.most_recent[n] <= step_id}
         traversed = 0
         for later in self.trace[step_id:]:
+            if not later.fetch:  # only hook calls are positions of DeepSpeed's trace
+                continue
             if traversed >= self.z.max_reuse_distance:
                 break
             for p in later.module.params:
                 release.discard(p.name)
                 traversed += p.numel
         for p in sorted({p.name: p for p in m.params}.values(), key=lambda p: self.ds_id[p.name]):
-            if p.name in release and self.status[p.name] == AVAILABLE:
+            holders = self.holders[p.name]
+            holders.discard(m.path)
+            # ds_active_sub_modules: a parameter another open module still uses stays.
+            if p.name in release and self.status[p.name] == AVAILABLE and not holders:
                 self._free_param(p)
 
     def _free_param(self, p: ParamSpec) -> None:
@@ -290,21 +365,22 @@ class Zero3Lowering:
         b, m = self.b, e.module
         pbufs = tuple(dict.fromkeys(self._pbuf(p) for p in m.params))
         extra: tuple[str, ...] = ()
-        if e.phase == "bwd":
+        if e.phase == "bwd" and m.bwd:
             for p in m.params:
                 self.bwd_uses[p.name] -= 1
                 if f"grad:{p.name}" not in self.live_grads:
                     self.live_grads.add(f"grad:{p.name}")
                     b.alloc(f"grad:{p.name}", p.numel * self.dt, COMPUTE, f"gradient {p.name}")
             extra = tuple(f"grad:{p.name}" for p in m.params)
-        act = self._act_buffer(mb, e)
+        act = self._act_buffer(mb, e) if m.fwd else ()
         for j, k in enumerate(self._kernels(e)):
             b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
             suffix = "" if k.name in ("fwd", "bwd") else f".{k.name}"
             b.compute(COMPUTE, f"{mb}{m.path}.{e.phase}{suffix}", k.kind, k.flops, k.bytes_read, k.bytes_written,
                       k.gemm, deps=deps if j == 0 else (), buffers=pbufs + extra + act)
-        self._after_module(mb, e)
-        if e.phase == "bwd":
+        if m.fwd:
+            self._after_module(mb, e)
+        if e.phase == "bwd" and m.bwd:
             for p in sorted(m.params, key=lambda p: self.ds_id[p.name]):
                 if self.bwd_uses[p.name] == 0 and p.name not in self.reduced:
                     self.reduced.add(p.name)
@@ -453,11 +529,14 @@ class Zero3Lowering:
                       buffers=(f"fp32[{g}]", f"flat16[{g}]"))
         pers = [p for p in self.params if p.name in self.persistent]
         if pers:
+            # Synchronous gather (stage3._post_step -> Init._all_gather): one all-gather per
+            # parameter, all launched, then all waited; no coordinator back-pressure.
             self.phase = "optimizer"
-            self._all_gather(pers, "persistent")
             for p in pers:
-                if self.status[p.name] == INFLIGHT:
-                    self._wait(p)
+                self._all_gather_call([p], "persistent")
+            for p in pers:
+                self.handle.pop(p.name)
+                self.status[p.name] = AVAILABLE
             b.sync_stream(self.ag_stream, "synchronous gather of persistent parameters")
 
     # ------------------------------------------------------------ driver
@@ -475,14 +554,15 @@ class Zero3Lowering:
         for micro in range(self.grad_accum):
             mb = f"mb{micro}." if self.grad_accum > 1 else ""
             # reset_step: queue from the recorded trace, nothing counted available.
-            self.queue = deque((p.name, i) for i, e in enumerate(self.trace)
+            self.queue = deque((p.name, i) for i, e in enumerate(self.trace) if e.fetch
                                for p in sorted({q.name: q for q in e.module.params}.values(),
                                                key=lambda q: self.ds_id[q.name]))
+            self.holders: dict[str, set[str]] = {p.name: set() for p in self.params}
             self.most_recent = {p.name: -10**10 for p in self.params}
             self.n_available = 0
             self.bwd_uses = {p.name: 0 for p in self.params}
             for e in self.trace:
-                if e.phase == "bwd":
+                if e.phase == "bwd" and e.run and e.module.bwd:
                     for p in e.module.params:
                         self.bwd_uses[p.name] += 1
             self.reduced: set[str] = set()
@@ -490,9 +570,11 @@ class Zero3Lowering:
             self.bucket, self.bucket_elems = [], 0
             for i, e in enumerate(self.trace):
                 self.phase = e.phase
-                deps = self._fetch(i, e)
-                self._run_module(mb, e, deps)
-                self._release(i + 1, e)
+                deps = self._fetch(i, e) if e.fetch else ()
+                if e.run:
+                    self._run_module(mb, e, deps)
+                if e.release:
+                    self._release(i + 1, e)
             self._flush()
             self.b.sync_stream(self.rs_stream, "end of backward: wait for gradient reduction")
         self._optimizer_step()

@@ -72,11 +72,15 @@ def test_gemm_flops_match_megatron_terms(name):
 
 def test_execution_order_of_a_roberta_layer():
     d = describe(MODEL_PRESETS["tiny"], 1, 8)
-    layer0 = [m.path.removeprefix("roberta.encoder.layer.0.") for m in d.modules if m.block == 0]
+    layer0 = [(m.path.removeprefix("roberta.encoder.layer.0"), m.encloses) for m in d.modules if m.block == 0]
+    # HF RobertaLayer's whole tree in pre-order, as DeepSpeed's hooks see it
     assert layer0 == [
-        "attention.self.query", "attention.self.key", "attention.self.value", "attention.self",
-        "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
-        "intermediate.intermediate_act_fn", "output.dense", "output.LayerNorm",
+        ("", 17), (".attention", 9), (".attention.self", 4), (".attention.self.query", 0),
+        (".attention.self.key", 0), (".attention.self.value", 0), (".attention.self.dropout", 0),
+        (".attention.output", 3), (".attention.output.dense", 0), (".attention.output.dropout", 0),
+        (".attention.output.LayerNorm", 0), (".intermediate", 2), (".intermediate.dense", 0),
+        (".intermediate.intermediate_act_fn", 0), (".output", 3), (".output.dense", 0), (".output.dropout", 0),
+        (".output.LayerNorm", 0),
     ]
 
 

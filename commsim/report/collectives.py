@@ -1,0 +1,72 @@
+"""Compare a recorded collective sequence with a schedule's: kind, order and bytes.
+
+A real run's trace (``commsim record``) holds every step, warm-up included, and its
+step boundaries (an optimizer-step hook) need not fall where a schedule's step starts
+(DeepSpeed re-gathers persistent parameters after the optimizer step). So the
+comparison looks for the schedule's whole per-step sequence as a contiguous run of the
+recorded one, and reports every place it occurs, or else the longest partial match
+and the first difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from commsim.ir import ops as O
+from commsim.ir.errors import CommsimInputError
+from commsim.ir.schedule import Schedule
+from commsim.ir.trace import Trace, TraceRecord
+
+IGNORED = ("barrier", "marker")
+Key = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    expected: int  # collectives in the schedule's step
+    matches: tuple[tuple[int, int], ...]  # (recorded index, recorded step) of each full match
+    best_start: int
+    best_length: int
+    mismatch: tuple[Key | None, Key | None] | None  # (expected, recorded) at the first difference
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.matches)
+
+
+def load_recorded(path: str | Path, rank: int = 0) -> Trace:
+    """A trace file, or a ``commsim record`` folder (rank<N>.json)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / f"rank{rank}.json"
+        if not p.exists():
+            raise CommsimInputError(f"{path}: no rank{rank}.json in this folder (is it a commsim record output?)")
+    return Trace.load(p)
+
+
+def schedule_sequence(schedule: Schedule, rank: int = 0) -> list[Key]:
+    return [(op.kind.value, op.size_bytes) for op in schedule.program_of(rank).step if isinstance(op, O.Collective)]
+
+
+def recorded_sequence(trace: Trace) -> list[TraceRecord]:
+    return [r for r in sorted(trace.records, key=lambda r: r.op_id) if r.kind not in IGNORED]
+
+
+def align(expected: list[Key], recorded: list[TraceRecord]) -> Alignment:
+    seq = [(r.kind, r.size_bytes) for r in recorded]
+    n = len(expected)
+    matches = tuple((i, recorded[i].step) for i in range(len(seq) - n + 1) if seq[i:i + n] == expected) if n else ()
+    best_start, best_len = 0, -1
+    for i in range(len(seq)):
+        k = 0
+        while k < n and i + k < len(seq) and seq[i + k] == expected[k]:
+            k += 1
+        if k > best_len:
+            best_start, best_len = i, k
+    mismatch = None
+    if not matches:
+        e = expected[best_len] if best_len < n else None
+        r = seq[best_start + best_len] if best_start + best_len < len(seq) else None
+        mismatch = (e, r)
+    return Alignment(n, matches, best_start, max(best_len, 0), mismatch)

@@ -1,0 +1,82 @@
+"""Train a catalogue model with real DeepSpeed (CPU accelerator, gloo) for a few steps.
+
+    DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 -m runtime.examples.ds_train \\
+        --model tiny --ds-config ds.json --steps 3 --micro-batch 2 --seq 16
+
+Used by the fidelity tests under ``commsim record`` and by bench/validate_local.py. The
+model is ``runtime.torch_models.build_model`` (Hugging Face's RobertaForMaskedLM tree);
+activation checkpointing per layer as in the seed scenario unless --no-checkpointing.
+The optimizer is torch's AdamW (DeepSpeed's own CPU Adam needs a compiled op).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--ds-config", required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--checkpoint-style", choices=("reentrant", "non_reentrant"), default="reentrant",
+                    help="torch.utils.checkpoint use_reentrant=True (Hugging Face's default) or False")
+    ap.add_argument("--timings", help="write per-step wall times (JSON) here, rank 0 only")
+    ap.add_argument("--mark-modules", action="store_true",
+                    help="under commsim record: insert a marker per module hook (which module sent what)")
+    args = ap.parse_args()
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from commsim.models import resolve_model
+    from runtime.torch_models import build_model
+
+    with open(args.ds_config) as f:
+        ds_cfg = json.load(f)
+    ds_cfg.setdefault("zero_allow_untested_optimizer", True)
+    micro = ds_cfg.get("train_micro_batch_size_per_gpu", 1)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    torch.manual_seed(0)
+    cfg = resolve_model(args.model)
+    stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
+    dtype = torch.bfloat16 if ds_cfg.get("bf16", {}).get("enabled") else torch.float32
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_cfg, dtype=dtype):
+            model = build_model(cfg)
+    else:
+        model = build_model(cfg)
+    if not args.no_checkpointing:
+        model.gradient_checkpointing_enable(use_reentrant=args.checkpoint_style == "reentrant")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
+    if args.mark_modules:
+        from runtime.record import mark
+
+        for name, mod in engine.module.named_modules():
+            mod.register_forward_pre_hook(lambda m, a, n=name: mark(f"fwd_pre:{n}"))
+            mod.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"bwd_pre:{n}"))
+    g = torch.Generator().manual_seed(1234 + dist.get_rank())
+    times = []
+    for _ in range(args.steps):
+        ids = torch.randint(0, cfg.vocab, (micro, args.seq), generator=g)
+        t = time.perf_counter()
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t)
+    if args.timings and dist.get_rank() == 0:
+        with open(args.timings, "w") as f:
+            json.dump({"step_times_s": times}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Real torch modules for the catalogue's families, with Hugging Face's module tree.
+
+``build_model(cfg)`` returns an ``nn.Module`` whose submodule names, parameter
+registration and forward order mirror ``RobertaForMaskedLM`` (and, for gpt2 / llama,
+``GPT2LMHeadModel`` / ``LlamaForCausalLM``), so that DeepSpeed's ZeRO-3 hooks see the
+same tree they would see on the Hugging Face model, without needing ``transformers``.
+Used to run real DeepSpeed on this machine's CPUs (fidelity tests, local validation)
+and as an example of the ``module:function`` models that ``model_walk`` reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from commsim.models.transformer import TransformerConfig
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, h: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.query = nn.Linear(h, h)
+        self.key = nn.Linear(h, h)
+        self.value = nn.Linear(h, h)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        hd = h // self.heads
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, hd).transpose(1, 2)
+
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
+        probs = self.dropout(scores.softmax(-1))
+        return (probs @ v).transpose(1, 2).reshape(b, s, h)
+
+
+class _SelfOutput(nn.Module):
+    def __init__(self, h: int, d_in: int):
+        super().__init__()
+        self.dense = nn.Linear(d_in, h)
+        self.LayerNorm = nn.LayerNorm(h)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+
+
+class _Attention(nn.Module):
+    def __init__(self, h: int, heads: int):
+        super().__init__()
+        self.self = _SelfAttention(h, heads)
+        self.output = _SelfOutput(h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x), x)
+
+
+class _Intermediate(nn.Module):
+    def __init__(self, h: int, ffn: int):
+        super().__init__()
+        self.dense = nn.Linear(h, ffn)
+        self.intermediate_act_fn = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.intermediate_act_fn(self.dense(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, h: int, heads: int, ffn: int):
+        super().__init__()
+        self.attention = _Attention(h, heads)
+        self.intermediate = _Intermediate(h, ffn)
+        self.output = _SelfOutput(h, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.attention(x)
+        return self.output(self.intermediate(a), a)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(_Layer(cfg.hidden, cfg.heads, cfg.ffn) for _ in range(cfg.layers))
+        self.gradient_checkpointing = False
+        self.use_reentrant = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layer:
+            if self.gradient_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.use_reentrant)
+            else:
+                x = layer(x)
+        return x
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab, cfg.hidden)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) + 2  # RoBERTa's padding offset
+        # HF RobertaEmbeddings.forward's order: word, token type, position
+        x = self.word_embeddings(ids) + self.token_type_embeddings(torch.zeros_like(ids))
+        x = x + self.position_embeddings(pos)
+        return self.dropout(self.LayerNorm(x))
+
+
+class _Roberta(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.embeddings = _Embeddings(cfg)
+        self.encoder = _Encoder(cfg)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.embeddings(ids))
+
+
+class _LMHead(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden, cfg.hidden)
+        self.layer_norm = nn.LayerNorm(cfg.hidden)
+        self.decoder = nn.Linear(cfg.hidden, cfg.vocab)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab))
+        self.decoder.bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.layer_norm(F.gelu(self.dense(x))))
+
+
+class RobertaForMaskedLM(nn.Module):
+    """HF ``RobertaForMaskedLM``'s module tree: tied decoder weight, lm_head.bias."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        if cfg.family not in ("roberta", "bert"):
+            raise ValueError(f"{cfg.name}: RobertaForMaskedLM builds roberta/bert configs, not {cfg.family}")
+        self.config = cfg
+        self.roberta = _Roberta(cfg)
+        self.lm_head = _LMHead(cfg)
+        if cfg.tie_embeddings:
+            self.lm_head.decoder.weight = self.roberta.embeddings.word_embeddings.weight
+
+    def gradient_checkpointing_enable(self, use_reentrant: bool = True) -> None:
+        """Per-layer checkpointing; reentrant by default, as Hugging Face's default."""
+        self.roberta.encoder.gradient_checkpointing = True
+        self.roberta.encoder.use_reentrant = use_reentrant
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm_head(self.roberta(ids))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def build_model(cfg: TransformerConfig) -> nn.Module:
+    return RobertaForMaskedLM(cfg)
+
+
+def tiny() -> nn.Module:
+    """The catalogue's ``tiny`` preset as a real module (a ``module:function`` example)."""
+    from commsim.models.presets import MODEL_PRESETS
+
+    return build_model(MODEL_PRESETS["tiny"])
