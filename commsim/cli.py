@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schedule", help="lower a model + DeepSpeed config into a schedule file",
                        description="Generate one training step per rank as DeepSpeed would run it "
-                       "(ZeRO stage 3 so far), with the 2022 optimisations as knobs.")
+                       "(ZeRO stages 0-3, checked against real DeepSpeed runs), with the 2022 ZeRO-3 "
+                       "optimisations as knobs.")
     add_scenario_flags(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the schedule (.json, or .txt for the text form)")
     p.add_argument("--summary", action="store_true", help="print ops, collectives and bytes per phase and stream")

@@ -1,7 +1,8 @@
 """Generators that lower a model + a DeepSpeed config + knobs into a schedule.
 
 ``generate()`` is the entry point used by the CLI and notebooks. Stage 3 follows
-DeepSpeed's coordinator (``zero3``); stages 0-2 are not lowered yet.
+DeepSpeed's coordinator (``zero3``); stages 0-2 its bucketed gradient reduction
+(``zero12``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from commsim.models.spec import ModelDescription
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.knobs import HostCosts, Knobs
 from commsim.strategies.zero3 import Zero3Lowering
+from commsim.strategies.zero12 import Zero12Lowering
 
 GENERATOR_VERSION = "commsim.strategies 0.1"
 
@@ -36,13 +38,12 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
              checkpointing: bool = True, grad_accum: int = 1, costs: HostCosts | None = None,
              preset: str = "", checkpoint_style: str = "reentrant") -> Schedule:
     stage = ds.zero.stage
-    if stage != 3:
-        raise CommsimInputError(
-            f"ds_config: zero_optimization.stage {stage}: only stage 3 is lowered so far (stages 0-2 are in progress)"
-        )
-    lowering = Zero3Lowering(md, world.size, ds, knobs, costs or HostCosts(), checkpointing, grad_accum,
-                             checkpoint_style)
-    program = lowering.program()
+    if stage == 3:
+        program = Zero3Lowering(md, world.size, ds, knobs, costs or HostCosts(), checkpointing, grad_accum,
+                                checkpoint_style).program()
+    else:  # the ZeRO-3 knobs have nothing to act on in stages 0-2
+        program = Zero12Lowering(md, world.size, ds, costs or HostCosts(), checkpointing, grad_accum,
+                                 checkpoint_style).program()
     meta = ScheduleMeta(
         model=md.name,
         strategy=f"zero{stage}",

@@ -1,4 +1,4 @@
-"""Real DeepSpeed ZeRO-3 on this machine's CPUs, recorded with `commsim record`: the
+"""Real DeepSpeed ZeRO-3 (and ZeRO-1/2) on this machine's CPUs, recorded with `commsim record`: the
 steady-state step's collective sequence (kind, order, bytes) must equal the schedule
 commsim generates for the same model and config."""
 
@@ -21,6 +21,10 @@ CONFIGS = {
     "limits-non-reentrant": ({"stage": 3, "stage3_param_persistence_threshold": 100,
                               "stage3_max_live_parameters": 30000, "stage3_prefetch_bucket_size": 10000,
                               "stage3_max_reuse_distance": 5000, "reduce_bucket_size": 20000}, "non_reentrant"),
+    # ZeRO-2: buckets filled by gradient hooks during backward, overlapped
+    "zero2-buckets": ({"stage": 2, "reduce_bucket_size": 20000, "overlap_comm": True}, "reentrant"),
+    # ZeRO-1: buckets after backward, in parameter order
+    "zero1-buckets": ({"stage": 1, "reduce_bucket_size": 20000}, "reentrant"),
 }
 
 

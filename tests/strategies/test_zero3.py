@@ -99,6 +99,25 @@ def _assert_compute_waits_for_gathers(schedule):
                 writer[b] = op.id
 
 
+@settings(max_examples=40, deadline=None)
+@given(small_models(), st.integers(1, 4), st.sampled_from([0, 1, 2]), st.integers(1, 3000), st.booleans(),
+       st.integers(1, 2), st.booleans())
+def test_stages_0_to_2_are_valid_and_reduce_every_gradient(md, world, stage, bucket, overlap, gas, ckpt):
+    cfg = parse_ds_config({"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": stage, "reduce_bucket_size": bucket, "overlap_comm": overlap}})
+    s = generate(md, World(1, world), cfg, KNOB_PRESETS["optimized"], checkpointing=ckpt, grad_accum=gas)
+    assert validate(s) == []
+    total = sum(p.numel for p in md.unique_params())
+    ar = [op for op in colls(s, O.CollectiveKind.ALL_REDUCE) if op.dtype is O.DType.BF16]
+    # every gradient all-reduced once per micro-step (stage 2) or per step (0, 1)
+    assert sum(op.size_bytes for op in ar) == total * 2 * (gas if stage == 2 else 1)
+    ag = colls(s, O.CollectiveKind.ALL_GATHER)
+    if stage == 0:
+        assert ag == []
+    else:  # stages 1/2 move 2x the parameter bytes per step: gradients in, parameters out
+        assert [op.size_bytes for op in ag] == [-(-total // world) * world * 2]
+
+
 def test_optimized_and_baseline_differ_exactly_in_the_knobs():
     opt, base = KNOB_PRESETS["optimized"], KNOB_PRESETS["baseline"]
     differing = [f.name for f in fields(Knobs) if getattr(opt, f.name) != getattr(base, f.name)]

@@ -1,0 +1,201 @@
+"""ZeRO stages 0, 1 and 2 lowered to IR, as DeepSpeed 0.19 runs them.
+
+Parameters stay whole (16-bit) on every rank, so forward and backward fetch nothing.
+What differs is the gradient reduction and the optimizer (recorded from DeepSpeed on
+this machine's CPUs, and read from deepspeed/runtime/engine.py and
+zero/stage_1_and_2.py):
+
+* stage 0: after backward, ``buffered_allreduce_fallback`` all-reduces every gradient
+  in buffers of 500M elements (``MEMORY_OPT_ALLREDUCE_SIZE``), in parameter order;
+* stage 1: after backward, ``reduce_gradients`` walks the parameters in order into
+  buckets of ``reduce_bucket_size`` elements, one all-reduce per bucket
+  (``use_multi_rank_bucket_allreduce``), each rank keeping its partition;
+* stage 2: the same buckets filled by gradient hooks *during* backward, as gradients
+  become ready, all-reduced on the reduction stream when ``overlap_comm`` (else on the
+  compute stream); the last bucket at the end of backward;
+* stages 1 and 2, optimizer: an overflow all-reduce (1 byte), the gradient-norm
+  all-reduce (4 bytes, fp32), Adam on this rank's fp32 partition, then one all-gather
+  of the updated 16-bit partitions (the whole model, padded to the world size).
+"""
+
+from __future__ import annotations
+
+from math import ceil
+
+from commsim.ir import ops as O
+from commsim.ir.errors import CommsimInputError
+from commsim.models.spec import ModelDescription, ParamSpec
+from commsim.strategies.builder import ProgramBuilder
+from commsim.strategies.dsconfig import DeepSpeedConfig
+from commsim.strategies.knobs import HostCosts
+from commsim.strategies.zero3 import TraceEntry, module_trace
+
+COMPUTE = "compute"
+STAGE0_BUFFER_ELEMS = 500_000_000  # deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE
+
+
+class Zero12Lowering:
+    def __init__(self, md: ModelDescription, world_size: int, ds: DeepSpeedConfig, costs: HostCosts,
+                 checkpointing: bool, grad_accum: int, checkpoint_style: str = "reentrant"):
+        z = ds.zero
+        if z.offload_optimizer.device != "none":
+            raise CommsimInputError("ds_config: zero_optimization.offload_optimizer: CPU/NVMe offload is not modelled yet")
+        self.md, self.W, self.ds, self.z, self.costs = md, world_size, ds, z, costs
+        self.stage = z.stage
+        self.grad_accum = grad_accum
+        self.checkpointing = checkpointing
+        self.group = tuple(range(world_size))
+        self.dt = ds.param_dtype_bytes
+        self.dtype = {"bf16": O.DType.BF16, "fp16": O.DType.FP16, "fp32": O.DType.FP32}[ds.precision]
+        self.rs_stream = "reduce" if (self.stage == 2 and z.overlap_comm) else COMPUTE
+        self.b = ProgramBuilder()
+        self.params = md.registered_params()
+        self.total = sum(p.numel for p in self.params)
+        self.padded_total = ceil(self.total / world_size) * world_size
+        self.partition = self.padded_total // world_size if self.stage > 0 else self.total
+        self.trace = [e for e in module_trace(md, checkpointing, checkpoint_style) if e.run]
+
+    # ------------------------------------------------------------ state
+    def _setup(self) -> None:
+        b = self.b
+        b.setup_alloc("params16", self.total * self.dt, "16-bit parameters (whole model on every rank)")
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            b.setup_alloc(state, self.partition * 4, f"fp32 {state} ({'partition' if self.stage else 'full'})")
+        b.setup_alloc("grad32", self.partition * 4, "fp32 gradient (partition)" if self.stage else "fp32 gradient")
+        if self.stage == 2 and self.z.contiguous_gradients:
+            b.setup_alloc("ipg_bucket", self.z.reduce_bucket_size * self.dt, "contiguous gradient bucket")
+
+    # ------------------------------------------------------------ reduction
+    def _reduce(self, params: list[ParamSpec], label: str) -> None:
+        b, c, s = self.b, self.costs, self.rs_stream
+        elems = sum(p.numel for p in params)
+        wait = b.wait_stream(COMPUTE) if s != COMPUTE else ()
+        bufs = ("ipg_bucket",) if (self.stage == 2 and self.z.contiguous_gradients) else tuple(
+            f"grad:{p.name}" for p in params)
+        b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+        b.collective(s, label, O.CollectiveKind.ALL_REDUCE, elems * self.dt, self.dtype, self.group,
+                     reduce_op=O.ReduceOp.SUM, deps=wait, buffers=bufs)
+        b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+        # keep this rank's share: copy (stage 0: all of it) into the fp32 gradient
+        keep = elems if self.stage == 0 else ceil(elems / self.W)
+        b.compute(s, f"{label}.keep_partition", O.ComputeKind.ELEMENTWISE, keep, keep * self.dt + keep * 4, keep * 4,
+                  buffers=bufs + ("grad32",))
+        if self.stage == 2:  # the full gradients are dropped once reduced
+            for p in params:
+                b.free(f"grad:{p.name}", COMPUTE, f"gradient {p.name} (reduced)")
+                self.live_grads.discard(p.name)
+
+    def _bucketed(self, params: list[ParamSpec], size_elems: int, phase: str) -> None:
+        bucket: list[ParamSpec] = []
+        elems = 0
+        for p in params:
+            if bucket and elems + p.numel > size_elems:
+                self._reduce(bucket, f"{phase}.ar{self._next()}")
+                bucket, elems = [], 0
+            bucket.append(p)
+            elems += p.numel
+        if bucket:
+            self._reduce(bucket, f"{phase}.ar{self._next()}")
+
+    def _next(self) -> int:
+        self.n_ar += 1
+        return self.n_ar
+
+    # ------------------------------------------------------------ passes
+    def _run(self, mb: str, e: TraceEntry) -> None:
+        b, m = self.b, e.module
+        kernels = m.bwd if e.phase == "bwd" else m.fwd
+        grads: tuple[str, ...] = ()
+        if e.phase == "bwd" and m.bwd:
+            for p in m.params:
+                if p.name not in self.live_grads:
+                    self.live_grads.add(p.name)
+                    b.alloc(f"grad:{p.name}", p.numel * self.dt, COMPUTE, f"gradient {p.name}")
+            grads = tuple(f"grad:{p.name}" for p in m.params)
+        for k in kernels:
+            b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
+            suffix = "" if k.name in ("fwd", "bwd") else f".{k.name}"
+            b.compute(COMPUTE, f"{mb}{m.path}.{e.phase}{suffix}", k.kind, k.flops, k.bytes_read, k.bytes_written,
+                      k.gemm, buffers=("params16",) + grads)
+        if e.phase == "bwd" and m.bwd and self.stage == 2:
+            # gradient hooks: each parameter's gradient is ready after its last use;
+            # autograd accumulates a Linear's bias before its weight
+            for p in sorted(m.params, key=lambda p: (not p.name.endswith("bias"), self.order[p.name])):
+                self.uses[p.name] -= 1
+                if self.uses[p.name] == 0:
+                    self._grad_ready(p, mb)
+        elif e.phase == "bwd" and m.bwd:
+            for p in m.params:
+                self.uses[p.name] -= 1
+
+    def _grad_ready(self, p: ParamSpec, mb: str) -> None:
+        if self.bucket and self.bucket_elems + p.numel > self.z.reduce_bucket_size:
+            self._reduce(self.bucket, f"{mb}bwd.ar{self._next()}")
+            self.bucket, self.bucket_elems = [], 0
+        if self.z.contiguous_gradients:
+            b = self.b
+            b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
+            b.copy(self.rs_stream, f"grad to bucket {p.name}", O.CopyDirection.D2D, p.numel * self.dt,
+                   deps=b.wait_stream(COMPUTE) if self.rs_stream != COMPUTE else (),
+                   buffers=(f"grad:{p.name}", "ipg_bucket"))
+        self.bucket.append(p)
+        self.bucket_elems += p.numel
+
+    def _optimizer(self) -> None:
+        b, c = self.b, self.costs
+        n = self.partition
+        if self.stage in (1, 2):
+            b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            ar = b.collective(COMPUTE, "optimizer.overflow_allreduce", O.CollectiveKind.ALL_REDUCE, 1, O.DType.UINT8,
+                              self.group, reduce_op=O.ReduceOp.MAX)
+            cp = b.copy(COMPUTE, "optimizer.overflow_item", O.CopyDirection.D2H, 1, deps=(ar,))
+            b.sync_ops((cp,), "overflow .item()")
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            b.compute(COMPUTE, "optimizer.grad_norm", O.ComputeKind.ELEMENTWISE, 2 * n, n * 4, 4, buffers=("grad32",))
+            b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            ar = b.collective(COMPUTE, "optimizer.grad_norm_allreduce", O.CollectiveKind.ALL_REDUCE, 4, O.DType.FP32,
+                              self.group, reduce_op=O.ReduceOp.SUM)
+            cp = b.copy(COMPUTE, "optimizer.grad_norm_item", O.CopyDirection.D2H, 4, deps=(ar,))
+            b.sync_ops((cp,), "global gradient norm")
+        b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+        b.compute(COMPUTE, "optimizer.adam", O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n,
+                  buffers=("fp32", "exp_avg", "exp_avg_sq", "grad32"))
+        b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+        b.compute(COMPUTE, "optimizer.copy_back", O.ComputeKind.ELEMENTWISE, n, 4 * n, self.dt * n,
+                  buffers=("fp32", "params16"))
+        if self.stage in (1, 2):
+            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            b.collective(COMPUTE, "optimizer.allgather_params", O.CollectiveKind.ALL_GATHER,
+                         self.padded_total * self.dt, self.dtype, self.group, buffers=("params16",))
+
+    def program(self):
+        self._setup()
+        self.order = {p.name: i for i, p in enumerate(self.params)}
+        self.n_ar = 0
+        self.live_grads: set[str] = set()
+        for micro in range(self.grad_accum):
+            mb = f"mb{micro}." if self.grad_accum > 1 else ""
+            self.uses = {p.name: 0 for p in self.params}
+            for e in self.trace:
+                if e.phase == "bwd" and e.module.bwd:
+                    for p in e.module.params:
+                        self.uses[p.name] += 1
+            self.bucket: list[ParamSpec] = []
+            self.bucket_elems = 0
+            for e in self.trace:
+                self._run(mb, e)
+            last = micro == self.grad_accum - 1
+            if self.stage == 2:
+                if self.bucket:  # epilogue: the last bucket
+                    self._reduce(self.bucket, f"{mb}bwd.ar{self._next()}")
+                self.b.sync_stream(self.rs_stream, "end of backward: wait for gradient reduction")
+            elif last:
+                # stages 0 and 1 reduce at the accumulation boundary only, in parameter order
+                size = STAGE0_BUFFER_ELEMS if self.stage == 0 else self.z.reduce_bucket_size
+                self._bucketed(list(self.params), size, "step")
+            if self.stage in (0, 1) and last:  # before that, gradients accumulate in place
+                for p in self.params:
+                    self.b.free(f"grad:{p.name}", COMPUTE, f"gradient {p.name}")
+                self.live_grads.clear()
+        self._optimizer()
+        return self.b.program()
