@@ -112,12 +112,27 @@ def build_schedule(sc: Scenario):
         micro = sc.micro_batch
     elif ds.train_micro_batch_size_per_gpu is None and ds.train_batch_size is None:
         micro = 16  # the seed scenario
-    md = describe(resolve_model(sc.model), micro, sc.seq, ds.param_dtype_bytes)
+    md = describe_model(sc.model, micro, sc.seq, ds.param_dtype_bytes)
     knobs = knobs_from(sc.preset, list(sc.knobs))
     schedule = generate(md, world, ds, knobs, checkpointing=sc.checkpointing, grad_accum=gas, preset=sc.preset,
                         checkpoint_style=sc.checkpoint_style)
     info = step_info(md, world.size, sc.nodes, gas, sc.checkpointing, cluster.node.price_usd_per_hour)
     return schedule, md, info, ds.precision
+
+
+def describe_model(model: str, micro_batch: int, seq: int, dtype_bytes: int = 2):
+    """A preset, a Hugging Face config.json, or ``module:function`` returning an nn.Module
+    (walked on the meta device by runtime.model_walk; needs torch)."""
+    from pathlib import Path
+
+    if ":" in model and not Path(model).exists():
+        try:
+            from runtime.model_walk import describe_module
+        except ImportError as e:
+            raise CommsimInputError(f"--model {model!r}: reading a torch module needs torch "
+                                    f"(pip install 'commsim[runtime]'): {e}") from None
+        return describe_module(model, micro_batch, seq, dtype_bytes)
+    return describe(resolve_model(model), micro_batch, seq, dtype_bytes)
 
 
 def _info_from_schedule(schedule: Schedule, nodes: int, price: float) -> StepInfo:

@@ -169,7 +169,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     """Flags that describe a model, a world and a DeepSpeed config (schedule, predict)."""
     p.add_argument("--model", default="roberta-10b",
-                   help="model preset or path to a Hugging Face config.json (default roberta-10b)")
+                   help="model preset, path to a Hugging Face config.json, or module:function returning a "
+                   "torch.nn.Module (walked on the meta device; needs torch) (default roberta-10b)")
     p.add_argument("--nodes", type=_positive_int, default=8, help="number of nodes (default 8)")
     p.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node (default: the cluster's, 8)")
     p.add_argument("--cluster", default="p4d",

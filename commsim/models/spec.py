@@ -42,6 +42,7 @@ class Role(enum.Enum):
     NORM = "norm"
     LM_HEAD = "lm_head"
     POOLER = "pooler"
+    OTHER = "other"  # parameters of a module the catalogue did not classify (walked models)
     NONE = "none"  # parameter-free
 
 
