@@ -240,6 +240,53 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- execute
+
+
+def _need_torch(what: str):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise CommsimInputError(f"commsim {what} needs torch: pip install 'commsim[runtime]'") from None
+
+
+def cmd_execute(args: argparse.Namespace) -> int:
+    _need_torch("execute")
+    from runtime.executor import env_rank
+    from runtime.launch import ExecConfig, launch_local, worker
+
+    if args.steps < 1 or args.warmup < 0:
+        raise CommsimInputError("--steps must be >= 1 and --warmup >= 0")
+    schedule = load_schedule_any(args.schedule)
+    from commsim.ir.validate import check_valid
+
+    check_valid(schedule, args.schedule)
+    cfg = ExecConfig(args.schedule, args.output, args.backend, args.steps, args.warmup, args.check_data,
+                     args.timeout)
+    env = env_rank()
+    if env is not None:  # under torchrun / srun: this process is one rank
+        rank, world, local = env
+        if world != schedule.world_size:
+            raise CommsimInputError(f"{args.schedule}: the schedule has {schedule.world_size} ranks, the launcher "
+                                    f"started {world}")
+        worker(cfg, rank, world, local, "env://")
+        if rank != 0:
+            return 0
+        from commsim.ir.trace import Trace
+
+        trace = Trace.load(args.output)
+    else:
+        nproc = args.nproc_per_node or schedule.world_size
+        trace = launch_local(cfg, nproc)
+    steps = trace.meta.get("step_times_ns", [])
+    if steps:
+        mean = sum(steps) / len(steps)
+        spread = (max(steps) - min(steps)) / 2
+        print(f"{args.output}: {len(steps)} measured step(s) after {args.warmup} warm-up: "
+              f"{mean / 1e6:.2f} ms +- {spread / 1e6:.2f} ms ({', '.join(f'{s / 1e6:.2f}' for s in steps)})")
+    return 0
+
+
 # ---------------------------------------------------------------- record / compare
 
 
@@ -383,6 +430,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write a timeline plot of the step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_predict)
+    p = sub.add_parser("execute", help="run a schedule for real through torch.distributed and measure it",
+                       description="Run SCHEDULE on every rank (gloo on CPUs, NCCL with CUDA streams on GPUs): real "
+                       "buffers, kernels and collectives, per-op timestamps, written as a measured trace by rank 0. "
+                       "Under torchrun / srun it uses that environment; alone it starts the ranks itself. Needs torch.")
+    p.add_argument("schedule", help="schedule file")
+    p.add_argument("--nproc-per-node", type=_positive_int, help="local ranks to start (default: the schedule's size)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (GPU)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps, not measured (default 1)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a collective may wait for its peers before the run fails (default 60)")
+    p.add_argument("--check-data", action="store_true",
+                   help="fill collectives with known values and check every result (small schedules)")
+    p.add_argument("-o", "--output", default="measured.json", help="measured trace (default measured.json)")
+    p.set_defaults(func=cmd_execute)
+
     p = sub.add_parser("record", help="run a real training command and record every collective it sends",
                        description="Run CMD (a DeepSpeed / FSDP script, under torchrun or not) with every "
                        "torch.distributed collective recorded (kind, bytes, dtype, group, order, timing, phase, "
@@ -418,6 +481,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("commsim: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        if type(e).__name__ != "ExecutionFailed":
+            raise
+        print(f"commsim: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

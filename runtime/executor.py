@@ -1,0 +1,462 @@
+"""The real executor: one rank of a commsim schedule through torch.distributed.
+
+Every op of the rank's program runs for real:
+
+* buffers are real tensors of their stated size, allocated and freed in program order
+  (on GPU through PyTorch's caching allocator, with ``record_stream`` for buffers used
+  on other streams, so its behaviour is measured; ``torch.cuda.memory_stats`` is kept);
+* compute ops are real kernels: a GEMM of the op's shape (batched matmul), a
+  memory-bound copy moving the op's bytes otherwise;
+* collectives are real ``torch.distributed`` collectives of the op's kind, size, dtype
+  and process group, issued asynchronously;
+* host work spins the host for its duration; host syncs wait for their ops / streams.
+
+Streams: on GPU (NCCL) each schedule stream is a CUDA stream, dependencies are CUDA
+events, and op times come from CUDA events. On CPU (gloo) each stream is a worker
+thread running its ops in FIFO order, dependencies are thread events, times come from
+the monotonic clock; collectives are issued to the backend in program order (a ticket
+per process group), so every rank issues them in the same order whatever thread runs
+them, as NCCL's host-side ordering guarantees on GPU.
+
+With ``check_data`` the collectives carry known values and every result is checked:
+an all-gather must hold the concatenation of every rank's shard, a reduce-scatter or
+all-reduce the sum.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commsim.ir import ops as O
+from commsim.ir.schedule import Schedule
+from commsim.ir.text import op_to_text
+from commsim.ir.trace import HOST_STREAM, TraceRecord
+
+_TORCH_DTYPE = {
+    O.DType.FP32: torch.float32, O.DType.FP16: torch.float16, O.DType.BF16: torch.bfloat16,
+    O.DType.FP64: torch.float64, O.DType.INT64: torch.int64, O.DType.INT32: torch.int32, O.DType.UINT8: torch.uint8,
+}
+_REDUCE = {O.ReduceOp.SUM: dist.ReduceOp.SUM, O.ReduceOp.MAX: dist.ReduceOp.MAX, O.ReduceOp.AVG: dist.ReduceOp.SUM}
+
+
+# torch 2.13 renamed the flat collectives; older releases only have the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ExecutionError(RuntimeError):
+    """A rank could not run an op: names the rank, the step and the op."""
+
+
+class DataMismatch(ExecutionError):
+    pass
+
+
+@dataclass
+class RankOptions:
+    steps: int = 3
+    warmup: int = 1
+    check_data: bool = False
+    compute_dtype: torch.dtype | None = None  # default: bf16 on GPU, fp32 on CPU
+    progress: Any = None  # a shared array: progress[rank] = id of the op being issued
+
+
+@dataclass
+class RankRun:
+    records: list[TraceRecord] = field(default_factory=list)
+    step_times_ns: list[int] = field(default_factory=list)
+    memory_stats: dict[str, int] = field(default_factory=dict)
+
+
+def spin_ns(duration_ns: int) -> None:
+    """Busy host work (sleep is far too coarse for microseconds)."""
+    end = time.perf_counter_ns() + duration_ns
+    while time.perf_counter_ns() < end:
+        pass
+
+
+class _Groups:
+    """torch.distributed process groups for the schedule's rank tuples (created in the
+    same order on every rank, as new_group requires)."""
+
+    def __init__(self, schedule: Schedule, world: int):
+        groups = sorted({op.group for p in schedule.programs for op in p.step if isinstance(op, O.Collective)})
+        self.pg: dict[tuple[int, ...], Any] = {}
+        for g in groups:
+            self.pg[g] = None if len(g) == world else dist.new_group(list(g))
+
+    def __getitem__(self, g: tuple[int, ...]) -> Any:
+        return self.pg[g]
+
+
+class _Kernels:
+    """Real kernels standing in for compute ops, with operands cached per shape."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.operands: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scratch = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def _mem(self, nbytes: int) -> None:
+        half = max(1, nbytes // 2)
+        if self.scratch.numel() < 2 * half:
+            self.scratch = torch.empty(2 * half, dtype=torch.uint8, device=self.device)
+        self.scratch[half:2 * half].copy_(self.scratch[:half])
+
+    def run(self, op: O.Compute) -> None:
+        g = op.gemm
+        if g is not None and op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION):
+            key = (g.batch, g.m, g.k, g.n)
+            if key not in self.operands:
+                a = torch.randn(g.batch, g.m, g.k, dtype=self.dtype, device=self.device)
+                b = torch.randn(g.batch, g.k, g.n, dtype=self.dtype, device=self.device)
+                self.operands[key] = (a, b)
+            a, b = self.operands[key]
+            reps = max(1, round(op.flops / g.flops)) if g.flops else 1  # attention: both matmuls
+            for _ in range(min(reps, 4)):
+                torch.bmm(a, b)
+        else:
+            self._mem(op.bytes_read + op.bytes_written)
+
+    def copy(self, op: O.Copy) -> None:
+        if op.direction is O.CopyDirection.D2D or self.device.type == "cpu":
+            self._mem(2 * op.size_bytes)
+        else:
+            host = torch.empty(op.size_bytes, dtype=torch.uint8, pin_memory=False)
+            host.copy_(self.scratch[:op.size_bytes] if self.scratch.numel() >= op.size_bytes
+                       else torch.zeros(op.size_bytes, dtype=torch.uint8, device=self.device))
+
+
+class RankExecutor:
+    def __init__(self, schedule: Schedule, rank: int, backend: str, options: RankOptions):
+        self.schedule = schedule
+        self.rank = rank
+        self.world = schedule.world_size
+        self.program = schedule.program_of(rank)
+        self.opts = options
+        self.gpu = backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
+        dtype = options.compute_dtype or (torch.bfloat16 if self.gpu else torch.float32)
+        self.kernels = _Kernels(self.device, dtype)
+        self.groups = _Groups(schedule, self.world)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.buffer_streams: dict[str, set[str]] = {}
+        self.text = {op.id: op_to_text(op) for op in self.program.all_ops()}
+        self.current: O.Op | None = None
+        self.step = 0
+
+    # ------------------------------------------------------------ helpers
+    def fail(self, op: O.Op, err: BaseException) -> ExecutionError:
+        return ExecutionError(f"rank {self.rank}: step {self.step}: op {op.id} `{self.text.get(op.id, op)}`: "
+                              f"{type(err).__name__}: {err}")
+
+    def _alloc(self, op: O.Alloc) -> None:
+        self.buffers[op.buffer] = torch.empty(op.size_bytes, dtype=torch.uint8, device=self.device)
+        self.buffer_streams[op.buffer] = set()
+
+    def _tensor(self, names: tuple[str, ...], nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A typed view of the first listed buffer large enough, else a scratch tensor."""
+        item = torch.empty(0, dtype=dtype).element_size()
+        for n in names:
+            t = self.buffers.get(n)
+            if t is not None and t.numel() >= nbytes:
+                return t[:nbytes].view(dtype)
+        return torch.empty(nbytes // item, dtype=dtype, device=self.device)
+
+    # ------------------------------------------------------------ collectives
+    def _fill(self, t: torch.Tensor, value: float) -> None:
+        t.fill_(value)
+
+    def collective(self, op: O.Collective) -> tuple[Any, Any]:
+        """Issue one collective asynchronously; returns (work, check) where check()
+        verifies the data once the work is done."""
+        dtype = _TORCH_DTYPE[op.dtype]
+        group = self.groups[op.group]
+        p = len(op.group)
+        me = op.group.index(self.rank)
+        check = None
+        tag = float(op.id % 7)
+        if op.kind is O.CollectiveKind.ALL_GATHER:
+            out = self._tensor(op.buffers, op.size_bytes, dtype)
+            shard = torch.empty(out.numel() // p, dtype=dtype, device=self.device)
+            if self.opts.check_data:
+                self._fill(shard, me + 1 + tag)
+
+                def check() -> None:
+                    for r in range(p):
+                        chunk = out[r * shard.numel():(r + 1) * shard.numel()]
+                        if not bool((chunk == r + 1 + tag).all()):
+                            raise DataMismatch(f"all-gather chunk {r} does not hold rank {op.group[r]}'s shard")
+            work = _all_gather(out, shard, group=group, async_op=True)
+        elif op.kind is O.CollectiveKind.REDUCE_SCATTER:
+            inp = self._tensor(op.buffers, op.size_bytes, dtype)
+            out = torch.empty(inp.numel() // p, dtype=dtype, device=self.device)
+            if self.opts.check_data:
+                self._fill(inp, me + 1)
+
+                def check() -> None:
+                    if not bool((out == p * (p + 1) / 2).all()):
+                        raise DataMismatch(f"reduce-scatter result is not the sum over {p} ranks")
+            work = _reduce_scatter(out, inp, op=_REDUCE[op.reduce_op or O.ReduceOp.SUM], group=group, async_op=True)
+        elif op.kind is O.CollectiveKind.ALL_REDUCE:
+            buf = self._tensor(op.buffers, op.size_bytes, dtype)
+            rop = op.reduce_op or O.ReduceOp.SUM
+            if self.opts.check_data:
+                self._fill(buf, me + 1)
+                expect = p * (p + 1) / 2 if rop is not O.ReduceOp.MAX else p
+
+                def check() -> None:
+                    if not bool((buf == expect).all()):
+                        raise DataMismatch(f"all-reduce result is not the {rop.value} over {p} ranks")
+            work = dist.all_reduce(buf, op=_REDUCE[rop], group=group, async_op=True)
+        else:
+            buf = self._tensor(op.buffers, op.size_bytes, dtype)
+            root = op.root if op.root is not None else op.group[0]
+            if self.opts.check_data:
+                self._fill(buf, 42.0 if self.rank == root else 0.0)
+
+                def check() -> None:
+                    if not bool((buf == 42.0).all()):
+                        raise DataMismatch(f"broadcast did not deliver rank {root}'s buffer")
+            work = dist.broadcast(buf, src=root, group=group, async_op=True)
+        return work, check
+
+    # ------------------------------------------------------------ run
+    def setup(self) -> None:
+        for op in self.program.setup:
+            self._alloc(op)
+
+    def run(self) -> RankRun:
+        self.setup()
+        impl = _GpuRank(self) if self.gpu else _CpuRank(self)
+        out = RankRun()
+        for step in range(self.opts.warmup + self.opts.steps):
+            self.step = step
+            measured = step >= self.opts.warmup
+            dist.barrier()
+            t0, recs = impl.run_step()
+            if measured:
+                s = step - self.opts.warmup
+                out.records.extend(TraceRecord(r.rank, r.stream, r.op_id, r.kind, r.label, r.start_ns - t0,
+                                               r.end_ns - t0, r.size_bytes, r.flops, s) for r in recs)
+                out.step_times_ns.append(max((r.end_ns for r in recs), default=t0) - t0)
+        if self.gpu:
+            out.memory_stats = {k: int(v) for k, v in torch.cuda.memory_stats(self.device).items()
+                                if isinstance(v, (int, float))}
+        return out
+
+
+def _record(ex: RankExecutor, stream: str, op: O.Op, start: int, end: int) -> TraceRecord:
+    return TraceRecord(ex.rank, stream, int(op.id), O.op_kind_name(op), op.label, start, end, O.op_size_bytes(op),
+                       O.op_flops(op))
+
+
+class _CpuRank:
+    """Streams as worker threads; collectives issued in program order by ticket."""
+
+    def __init__(self, ex: RankExecutor):
+        self.ex = ex
+        colls = [op for op in ex.program.step if isinstance(op, O.Collective)]
+        self.coll_index = {op.id: i for i, op in enumerate(colls)}
+
+    def run_step(self) -> tuple[int, list[TraceRecord]]:
+        ex = self.ex
+        done: dict[O.OpId, threading.Event] = {}
+        last_on: dict[str, threading.Event] = {}
+        records: list[TraceRecord] = []
+        lock = threading.Lock()
+        issued = [0]  # collectives issued so far (the ticket)
+        issue_cv = threading.Condition()
+        errors: list[BaseException] = []
+        queues: dict[str, queue.Queue] = {}
+        threads: list[threading.Thread] = []
+
+        def worker(stream: str, q: queue.Queue) -> None:
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                op, ev = item
+                try:
+                    for d in op.deps:
+                        done[d].wait()
+                    if errors:
+                        ev.set()
+                        continue
+                    start = time.perf_counter_ns()
+                    if isinstance(op, O.Collective):
+                        k = self.coll_index[op.id]
+                        with issue_cv:
+                            while issued[0] != k and not errors:
+                                issue_cv.wait(0.05)
+                            start = time.perf_counter_ns()
+                            work, check = ex.collective(op)
+                            issued[0] += 1
+                            issue_cv.notify_all()
+                        work.wait()
+                        if check is not None:
+                            check()
+                    elif isinstance(op, O.Compute):
+                        ex.kernels.run(op)
+                    else:
+                        ex.kernels.copy(op)
+                    end = time.perf_counter_ns()
+                    with lock:
+                        records.append(_record(ex, stream, op, start, end))
+                except BaseException as e:  # noqa: BLE001 - reported with the op, re-raised on the host
+                    errors.append(ex.fail(op, e))
+                    with issue_cv:
+                        issue_cv.notify_all()
+                finally:
+                    ev.set()
+
+        t0 = time.perf_counter_ns()
+        try:
+            for op in ex.program.step:
+                if errors:
+                    break
+                ex.current = op
+                if ex.opts.progress is not None:
+                    ex.opts.progress[ex.rank] = int(op.id)
+                start = time.perf_counter_ns()
+                if isinstance(op, O.HostWork):
+                    spin_ns(op.duration_ns)
+                elif isinstance(op, O.HostSync):
+                    if op.scope is O.SyncScope.OPS:
+                        evs = [done[d] for d in op.deps]
+                    elif op.scope is O.SyncScope.STREAM:
+                        evs = [last_on[op.stream]] if op.stream in last_on else []
+                    else:
+                        evs = list(last_on.values())
+                    for e in evs:
+                        e.wait()
+                elif isinstance(op, O.Alloc):
+                    ex._alloc(op)
+                elif isinstance(op, O.Free):
+                    ex.buffers.pop(op.buffer, None)
+                else:
+                    if op.stream not in queues:
+                        queues[op.stream] = queue.Queue()
+                        th = threading.Thread(target=worker, args=(op.stream, queues[op.stream]), daemon=True)
+                        th.start()
+                        threads.append(th)
+                    ev = threading.Event()
+                    done[op.id] = ev
+                    last_on[op.stream] = ev
+                    queues[op.stream].put((op, ev))
+                    continue
+                end = time.perf_counter_ns()
+                with lock:
+                    records.append(_record(ex, HOST_STREAM, op, start, end))
+        finally:
+            for q in queues.values():
+                q.put(None)
+            for th in threads:
+                th.join()
+        if errors:
+            raise errors[0]
+        return t0, records
+
+
+class _GpuRank:
+    """CUDA streams and events; NCCL collectives issued by the host in program order."""
+
+    def __init__(self, ex: RankExecutor):
+        self.ex = ex
+        self.streams: dict[str, torch.cuda.Stream] = {}
+
+    def _stream(self, name: str) -> torch.cuda.Stream:
+        if name not in self.streams:
+            self.streams[name] = torch.cuda.Stream(device=self.ex.device)
+        return self.streams[name]
+
+    def run_step(self) -> tuple[int, list[TraceRecord]]:
+        ex = self.ex
+        torch.cuda.synchronize(ex.device)
+        ref = torch.cuda.Event(enable_timing=True)
+        ref.record()
+        t0_host = time.perf_counter_ns()
+        events: dict[O.OpId, tuple[str, O.Op, Any, Any]] = {}
+        last_on: dict[str, Any] = {}
+        host_recs: list[tuple[O.Op, int, int]] = []
+        checks = []
+        for op in ex.program.step:
+            ex.current = op
+            start = time.perf_counter_ns()
+            if isinstance(op, O.HostWork):
+                spin_ns(op.duration_ns)
+            elif isinstance(op, O.HostSync):
+                if op.scope is O.SyncScope.OPS:
+                    for d in op.deps:
+                        events[d][3].synchronize()
+                elif op.scope is O.SyncScope.STREAM:
+                    if op.stream in self.streams:
+                        self.streams[op.stream].synchronize()
+                else:
+                    torch.cuda.synchronize(ex.device)
+            elif isinstance(op, O.Alloc):
+                with torch.cuda.stream(self._stream(op.stream)):
+                    ex._alloc(op)
+            elif isinstance(op, O.Free):
+                t = ex.buffers.pop(op.buffer, None)
+                if t is not None:
+                    for s in ex.buffer_streams.pop(op.buffer, ()):
+                        if s != op.stream:
+                            t.record_stream(self._stream(s))
+                del t
+            else:
+                s = self._stream(op.stream)
+                for d in op.deps:
+                    s.wait_event(events[d][3])
+                for b in op.buffers:
+                    if b in ex.buffer_streams:
+                        ex.buffer_streams[b].add(op.stream)
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(s):
+                    begin.record()
+                    try:
+                        if isinstance(op, O.Collective):
+                            work, check = ex.collective(op)
+                            work.wait()
+                            if check is not None:
+                                checks.append((op, check))
+                        elif isinstance(op, O.Compute):
+                            ex.kernels.run(op)
+                        else:
+                            ex.kernels.copy(op)
+                    except BaseException as e:  # noqa: BLE001
+                        raise ex.fail(op, e) from e
+                    end.record()
+                events[op.id] = (op.stream, op, begin, end)
+                last_on[op.stream] = end
+                continue
+            host_recs.append((op, start, time.perf_counter_ns()))
+        torch.cuda.synchronize(ex.device)
+        for op, check in checks:
+            try:
+                check()
+            except BaseException as e:  # noqa: BLE001
+                raise ex.fail(op, e) from e
+        recs = []
+        for stream, op, b, e in events.values():
+            start = t0_host + int(ref.elapsed_time(b) * 1e6)
+            recs.append(_record(ex, stream, op, start, t0_host + int(ref.elapsed_time(e) * 1e6)))
+        recs.extend(_record(ex, HOST_STREAM, op, s, e) for op, s, e in host_recs)
+        return t0_host, recs
+
+
+def env_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when launched by torchrun / srun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_LOCALID", 0))
+    return None

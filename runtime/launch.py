@@ -1,0 +1,184 @@
+"""Running a schedule on every rank: under torchrun / srun, or K local processes.
+
+``worker()`` is one rank: it joins the process group (with a short timeout so that a
+dead peer turns into an error rather than a hang), runs the schedule, gathers every
+rank's records to rank 0, which writes the measured trace atomically.
+
+``launch_local()`` starts K ranks itself (spawned processes), watches them, and if one
+dies or fails it stops all the others and reports which rank failed at which op: the
+failing rank's own message when it could write one, else the op it was issuing (a
+shared progress array every rank updates).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from commsim.ir.errors import CommsimInputError
+from commsim.ir.text import op_to_text
+from commsim.ir.trace import Trace, TraceMeta, TraceSource, make_trace
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    schedule_path: str
+    output: str
+    backend: str = "gloo"
+    steps: int = 3
+    warmup: int = 1
+    check_data: bool = False
+    timeout_s: float = 60.0  # a collective waiting longer than this fails the run
+    fail_rank: int = -1  # test hook: this rank exits abruptly ...
+    fail_op: int = -1  # ... when it reaches this op id
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | None,
+           progress=None, err_dir: str | None = None) -> None:
+    from commsim.cli import load_schedule_any
+    from runtime.executor import RankExecutor, RankOptions
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        schedule = load_schedule_any(cfg.schedule_path)
+        if cfg.backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(cfg.backend, init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        opts = RankOptions(steps=cfg.steps, warmup=cfg.warmup, check_data=cfg.check_data, progress=progress)
+        if rank == cfg.fail_rank:
+            _arm_failure(schedule, rank, cfg.fail_op, opts)
+        ex = RankExecutor(schedule, rank, cfg.backend, opts)
+        run = ex.run()
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object((run.records, run.step_times_ns, run.memory_stats), gathered, dst=0)
+        if rank == 0:
+            records = [r for item in gathered for r in item[0]]  # type: ignore[union-attr]
+            steps = {r: item[1] for r, item in enumerate(gathered)}  # type: ignore[arg-type]
+            mem = gathered[0][2] if gathered else {}  # type: ignore[index]
+            per_step = [max(steps[r][i] for r in steps) for i in range(cfg.steps)]
+            meta = TraceMeta(TraceSource.MEASURED, producer=f"commsim execute ({cfg.backend})",
+                             schedule_hash=schedule.content_hash(), hardware=_machine(cfg.backend),
+                             extra=(("step_times_ns", per_step), ("warmup_steps", cfg.warmup),
+                                    ("memory_stats_rank0", mem), ("world_size", world)))
+            make_trace(meta, records).save(cfg.output)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher, then exit non-zero
+        msg = str(e) if "rank " in str(e) else f"rank {rank}: {type(e).__name__}: {e}"
+        if err_dir:
+            Path(err_dir, f"rank{rank}.txt").write_text(msg + "\n" + traceback.format_exc())
+        print(f"commsim execute: {msg}", file=sys.stderr)
+        os._exit(1)
+
+
+def _arm_failure(schedule, rank: int, op_id: int, opts) -> None:
+    """Test hook: die (no message, like a crash) when reaching ``op_id``."""
+    real = opts.progress
+
+    class Tripwire:
+        def __setitem__(self, r, v):
+            if real is not None:
+                real[r] = v
+            if v == op_id:
+                os._exit(17)
+
+    opts.progress = Tripwire()
+
+
+def _machine(backend: str) -> str:
+    if backend == "nccl" and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, torch {torch.__version__}"
+    return f"{os.cpu_count()} CPU cores ({os.uname().machine}), torch {torch.__version__}, gloo"
+
+
+def _spawned(cfg: ExecConfig, rank: int, world: int, port: int, progress, err_dir: str) -> None:
+    worker(cfg, rank, world, rank, f"tcp://127.0.0.1:{port}", progress, err_dir)
+
+
+def launch_local(cfg: ExecConfig, nproc: int, wall_timeout_s: float | None = None) -> Trace:
+    """Run ``nproc`` local ranks; on any failure stop them all and raise ExecutionFailed."""
+    from commsim.cli import load_schedule_any
+
+    schedule = load_schedule_any(cfg.schedule_path)
+    if schedule.world_size != nproc:
+        raise CommsimInputError(f"{cfg.schedule_path}: the schedule has {schedule.world_size} ranks; "
+                                f"--nproc-per-node {nproc} starts {nproc}")
+    if cfg.backend == "nccl" and torch.cuda.device_count() < nproc:
+        raise CommsimInputError(f"--backend nccl: {nproc} ranks need {nproc} GPUs, found {torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn")
+    progress = ctx.Array("q", [-1] * nproc, lock=False)
+    port = _free_port()
+    texts = {op.id: op_to_text(op) for r in range(nproc) for op in schedule.program_of(r).step}
+    wall = wall_timeout_s or (cfg.timeout_s * 4 + 120)
+    with tempfile.TemporaryDirectory(prefix="commsim-exec-") as err_dir:
+        procs = [ctx.Process(target=_spawned, args=(cfg, r, nproc, port, progress, err_dir), daemon=True)
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + wall
+        failed: int | None = None
+        try:
+            while True:
+                alive = [p for p in procs if p.exitcode is None]
+                bad = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if bad:
+                    failed = bad[0]
+                    # the first rank that wrote its own error is the most informative
+                    written = [r for r in bad if Path(err_dir, f"rank{r}.txt").exists()]
+                    silent = [r for r in bad if r not in written]
+                    failed = silent[0] if silent else written[0]
+                    break
+                if not alive:
+                    break
+                if time.monotonic() > deadline:
+                    failed = -1
+                    break
+                time.sleep(0.05)
+        finally:
+            if failed is not None:
+                time.sleep(0.2)
+                for p in procs:
+                    if p.exitcode is None:
+                        p.terminate()
+                for p in procs:
+                    p.join(5)
+                    if p.exitcode is None:
+                        p.kill()
+                        p.join()
+        if failed is not None:
+            if failed == -1:
+                ops = ", ".join(f"rank {r} at `{texts.get(progress[r], progress[r])}`" for r in range(nproc))
+                raise ExecutionFailed(f"{cfg.schedule_path}: no progress within {wall:.0f} s; stopped all ranks "
+                                      f"({ops})")
+            path = Path(err_dir, f"rank{failed}.txt")
+            if path.exists():
+                msg = path.read_text().splitlines()[0]
+            else:
+                op_id = progress[failed]
+                msg = (f"rank {failed} died (exit code {procs[failed].exitcode}) while issuing op {op_id} "
+                       f"`{texts.get(op_id, '?')}`")
+            raise ExecutionFailed(f"{cfg.schedule_path}: {msg}; stopped all ranks")
+    return Trace.load(cfg.output)
+
+
+class ExecutionFailed(RuntimeError):
+    """The run ended because a rank died or failed (message names the rank and op)."""
