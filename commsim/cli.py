@@ -244,10 +244,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _need_torch(what: str):
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise CommsimInputError(f"commsim {what} needs torch: pip install 'commsim[runtime]'") from None
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise CommsimInputError(f"commsim {what} needs torch: pip install 'commsim[runtime]'")
 
 
 def cmd_execute(args: argparse.Namespace) -> int:
@@ -284,6 +284,17 @@ def cmd_execute(args: argparse.Namespace) -> int:
         spread = (max(steps) - min(steps)) / 2
         print(f"{args.output}: {len(steps)} measured step(s) after {args.warmup} warm-up: "
               f"{mean / 1e6:.2f} ms +- {spread / 1e6:.2f} ms ({', '.join(f'{s / 1e6:.2f}' for s in steps)})")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    _need_torch("calibrate")
+    from runtime.launch import calibrate_local
+
+    nproc = args.nproc_per_node
+    calibrate_local(nproc, args.backend, args.output, quick=args.quick)
+    print(f"{args.output}: hardware profile of {nproc} {args.backend} ranks "
+          f"(use: commsim predict --hw-profile {args.output})")
     return 0
 
 
@@ -340,10 +351,45 @@ def cmd_record(args: argparse.Namespace) -> int:
     return rc
 
 
+def _compare_traces(args: argparse.Namespace) -> int:
+    from commsim.ir.trace import Trace
+    from commsim.report.compare import compare
+
+    pred, meas = Trace.load(args.first), Trace.load(args.second)
+    if pred.meta.schedule_hash and meas.meta.schedule_hash and pred.meta.schedule_hash != meas.meta.schedule_hash:
+        print("commsim: warning: the two traces come from different schedules (schedule hashes differ)",
+              file=sys.stderr)
+    try:
+        c = compare(pred, meas, args.rank)
+    except ValueError as e:
+        raise CommsimInputError(f"commsim compare: {e}") from None
+    if args.json:
+        print(json.dumps(c.to_json(), indent=1))
+        return 0
+    print(f"step time: predicted {c.predicted_step_ns / 1e6:.2f} ms, measured {c.measured_step_ns / 1e6:.2f} ms "
+          f"(+- {c.measured_step_spread_ns / 1e6:.2f}): error {c.step_time_error_frac:+.1%}")
+    print(f"{'busy per stream':<22}{'predicted ms':>14}{'measured ms':>14}")
+    for s in sorted(set(c.predicted.busy_by_stream) | set(c.measured.busy_by_stream)):
+        print(f"  {s:<20}{c.predicted.busy_by_stream.get(s, 0) / 1e6:>14.2f}{c.measured.busy_by_stream.get(s, 0) / 1e6:>14.2f}")
+    print(f"{'busy per phase':<22}")
+    for s in sorted(set(c.predicted.busy_by_phase) | set(c.measured.busy_by_phase)):
+        print(f"  {s:<20}{c.predicted.busy_by_phase.get(s, 0) / 1e6:>14.2f}{c.measured.busy_by_phase.get(s, 0) / 1e6:>14.2f}")
+    print(f"  {'communication':<20}{c.predicted.comm_ns / 1e6:>14.2f}{c.measured.comm_ns / 1e6:>14.2f}")
+    print(f"  {'exposed comm.':<20}{c.predicted.exposed_comm_ns / 1e6:>14.2f}{c.measured.exposed_comm_ns / 1e6:>14.2f}")
+    pc = c.percentiles()
+    if pc:
+        print(f"per-op duration error over {len(c.op_errors)} ops: p10 {pc['p10']:+.0%}, median {pc['p50']:+.0%}, "
+              f"p90 {pc['p90']:+.0%}")
+    print("largest discrepancies:")
+    for _, p, m, r in c.worst(8):
+        print(f"  {p / 1e3:>10.1f} us predicted {m / 1e3:>10.1f} us measured  op {r.op_id} {r.kind} "
+              f"{r.size_bytes or ''} \"{r.label}\"")
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     if not args.collectives:
-        raise CommsimInputError("commsim compare: only --collectives is available in this build "
-                                "(predicted vs measured traces come with commsim execute)")
+        return _compare_traces(args)
     from commsim.report.collectives import align, load_recorded, recorded_sequence, schedule_sequence
 
     recorded = recorded_sequence(load_recorded(args.first, args.rank))
@@ -446,6 +492,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="measured.json", help="measured trace (default measured.json)")
     p.set_defaults(func=cmd_execute)
 
+    p = sub.add_parser("calibrate", help="measure this machine into a hardware profile for predict --hw-profile",
+                       description="Micro-benchmarks with the same backend and kernels the executor uses: GEMM "
+                       "throughput by size, memory-bound bandwidth, each collective kind's latency and bandwidth, "
+                       "compute/communication contention, executor overheads, allocation costs. Needs torch.")
+    p.add_argument("--nproc-per-node", type=_positive_int, default=2, help="local ranks (default 2)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (GPU)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and shorter timings (tests)")
+    p.add_argument("-o", "--output", default="profile.json", help="profile file (default profile.json)")
+    p.set_defaults(func=cmd_calibrate)
+
     p = sub.add_parser("record", help="run a real training command and record every collective it sends",
                        description="Run CMD (a DeepSpeed / FSDP script, under torchrun or not) with every "
                        "torch.distributed collective recorded (kind, bytes, dtype, group, order, timing, phase, "
@@ -454,11 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run")
     p.set_defaults(func=cmd_record)
 
-    p = sub.add_parser("compare", help="compare a recording with a schedule (--collectives)",
-                       description="--collectives RECORDED SCHEDULE: does the schedule's per-step collective "
-                       "sequence (kind, order, bytes) occur in the recorded run? Exit 0 if it does, 1 if not.")
-    p.add_argument("first", help="recorded trace, or a commsim record folder")
-    p.add_argument("second", help="schedule file")
+    p = sub.add_parser("compare", help="prediction vs measurement, or a recording vs a schedule (--collectives)",
+                       description="PREDICTED MEASURED: step-time error, busy time per stream and phase, exposed "
+                       "communication, per-op duration errors and the largest discrepancies (--json: one object "
+                       "with step_time_error_frac = (predicted - measured) / measured). "
+                       "--collectives RECORDED SCHEDULE: does the schedule's per-step collective sequence (kind, "
+                       "order, bytes) occur in the recorded run? Exit 0 if it does, 1 if not.")
+    p.add_argument("first", help="predicted trace (or, with --collectives, a recorded trace / record folder)")
+    p.add_argument("second", help="measured trace (or, with --collectives, a schedule file)")
     p.add_argument("--collectives", action="store_true", help="compare collective sequences")
     p.add_argument("--rank", type=int, default=0, help="which rank to compare (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON")

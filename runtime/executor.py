@@ -77,10 +77,14 @@ class RankRun:
 
 
 def spin_ns(duration_ns: int) -> None:
-    """Busy host work (sleep is far too coarse for microseconds)."""
+    """Host work of ``duration_ns``, without holding the GIL (the stream threads of this
+    rank must keep running, as GPU streams would): sleep through most of it, then yield
+    in a tight loop (sleep alone overshoots by tens of microseconds)."""
     end = time.perf_counter_ns() + duration_ns
+    if duration_ns > 300_000:
+        time.sleep((duration_ns - 150_000) / 1e9)
     while time.perf_counter_ns() < end:
-        pass
+        time.sleep(0)
 
 
 class _Groups:
@@ -182,7 +186,7 @@ class RankExecutor:
         group = self.groups[op.group]
         p = len(op.group)
         me = op.group.index(self.rank)
-        check = None
+        check: Any = None
         tag = float(op.id % 7)
         if op.kind is O.CollectiveKind.ALL_GATHER:
             out = self._tensor(op.buffers, op.size_bytes, dtype)
@@ -190,11 +194,12 @@ class RankExecutor:
             if self.opts.check_data:
                 self._fill(shard, me + 1 + tag)
 
-                def check() -> None:
+                def _check() -> None:
                     for r in range(p):
                         chunk = out[r * shard.numel():(r + 1) * shard.numel()]
                         if not bool((chunk == r + 1 + tag).all()):
                             raise DataMismatch(f"all-gather chunk {r} does not hold rank {op.group[r]}'s shard")
+                check = _check
             work = _all_gather(out, shard, group=group, async_op=True)
         elif op.kind is O.CollectiveKind.REDUCE_SCATTER:
             inp = self._tensor(op.buffers, op.size_bytes, dtype)
@@ -202,9 +207,10 @@ class RankExecutor:
             if self.opts.check_data:
                 self._fill(inp, me + 1)
 
-                def check() -> None:
+                def _check() -> None:
                     if not bool((out == p * (p + 1) / 2).all()):
                         raise DataMismatch(f"reduce-scatter result is not the sum over {p} ranks")
+                check = _check
             work = _reduce_scatter(out, inp, op=_REDUCE[op.reduce_op or O.ReduceOp.SUM], group=group, async_op=True)
         elif op.kind is O.CollectiveKind.ALL_REDUCE:
             buf = self._tensor(op.buffers, op.size_bytes, dtype)
@@ -213,9 +219,10 @@ class RankExecutor:
                 self._fill(buf, me + 1)
                 expect = p * (p + 1) / 2 if rop is not O.ReduceOp.MAX else p
 
-                def check() -> None:
+                def _check() -> None:
                     if not bool((buf == expect).all()):
                         raise DataMismatch(f"all-reduce result is not the {rop.value} over {p} ranks")
+                check = _check
             work = dist.all_reduce(buf, op=_REDUCE[rop], group=group, async_op=True)
         else:
             buf = self._tensor(op.buffers, op.size_bytes, dtype)
@@ -223,9 +230,10 @@ class RankExecutor:
             if self.opts.check_data:
                 self._fill(buf, 42.0 if self.rank == root else 0.0)
 
-                def check() -> None:
+                def _check() -> None:
                     if not bool((buf == 42.0).all()):
                         raise DataMismatch(f"broadcast did not deliver rank {root}'s buffer")
+                check = _check
             work = dist.broadcast(buf, src=root, group=group, async_op=True)
         return work, check
 

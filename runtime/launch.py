@@ -57,6 +57,9 @@ def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | 
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # The host thread and the stream threads share the GIL: hand it over often, so a
+    # stream is not kept waiting for Python's default 5 ms switch interval.
+    sys.setswitchinterval(0.0002)
     try:
         schedule = load_schedule_any(cfg.schedule_path)
         if cfg.backend == "nccl":
@@ -178,6 +181,57 @@ def launch_local(cfg: ExecConfig, nproc: int, wall_timeout_s: float | None = Non
                        f"`{texts.get(op_id, '?')}`")
             raise ExecutionFailed(f"{cfg.schedule_path}: {msg}; stopped all ranks")
     return Trace.load(cfg.output)
+
+
+def _calibrate_rank(rank: int, world: int, port: int, backend: str, quick: bool, out: str, err_dir: str) -> None:
+    import json
+
+    from commsim.util.files import atomic_write_text
+    from runtime.calibrate import Calibrator
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    sys.setswitchinterval(0.0002)  # as in worker(): measure the executor as it will run
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        profile = Calibrator(rank, world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True)).run()
+        if rank == 0:
+            atomic_write_text(out, json.dumps(profile, indent=1))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        Path(err_dir, f"rank{rank}.txt").write_text(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        os._exit(1)
+
+
+def calibrate_local(nproc: int, backend: str, out: str, quick: bool = False, wall_timeout_s: float = 900) -> None:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="commsim-cal-") as err_dir:
+        procs = [ctx.Process(target=_calibrate_rank, args=(r, nproc, port, backend, quick, out, err_dir), daemon=True)
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + wall_timeout_s
+        try:
+            while any(p.exitcode is None for p in procs):
+                bad = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if bad or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.terminate()
+                p.join(5)
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            path = Path(err_dir, f"rank{bad[0]}.txt")
+            msg = path.read_text().splitlines()[0] if path.exists() else f"rank {bad[0]} did not finish"
+            raise ExecutionFailed(f"calibrate: {msg}")
 
 
 class ExecutionFailed(RuntimeError):

@@ -53,6 +53,9 @@ class CostModel(Protocol):
     def link_capacity(self, link: Link) -> float: ...
     def node_of(self, rank: int) -> int: ...
     comm_slowdown: float
+    comm_slowdown_during_compute: float
+    issue_ns: int
+    malloc_syncs_device: bool
     hbm_bytes: int
     malloc_base_ns: int
     malloc_ns_per_byte: float
@@ -84,6 +87,11 @@ class SpecCostModel:
         self.nvl_bw = node.nvlink_bw_bytes_per_s * node.nvlink_efficiency
         self.nic_bw = node.fabric.node_bw_bytes_per_s
         self.comm_slowdown = 1.0 + NCCL_CHANNELS / self.gpu.sm_count
+        # NCCL's copies run on their own SMs and DMA: collectives are not slowed by compute
+        self.comm_slowdown_during_compute = 1.0
+        # issuing a device op costs host time only through the schedule's own launch ops
+        self.issue_ns = 0
+        self.malloc_syncs_device = True
         self.hbm_bytes = self.gpu.hbm_bytes
         self.describe = cluster.name
 

@@ -15,7 +15,9 @@ Format (JSON)::
      "elementwise_bytes_per_s": 4e9,
      "copy": {"d2d_bytes_per_s": 4e9, "h2d_bytes_per_s": 4e9, "latency_ns": 2000},
      "collectives": {"all_gather": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}, ...},
-     "comm_slowdown": 1.5,
+     "comm_slowdown": 1.5,              # compute runs this much slower during a collective
+     "comm_slowdown_during_compute": 2, # and collectives this much slower during compute (optional)
+     "issue_ns": 20000,                 # host time to issue one device op (optional)
      "alloc": {"malloc_base_ns": 5000, "malloc_ns_per_byte": 0.0,
                "free_base_ns": 5000, "free_ns_per_byte": 0.0}}
 
@@ -61,10 +63,16 @@ class HardwareProfile:
     copy_latency_ns: int
     collectives: dict[str, dict[int, CollectiveFit]]
     comm_slowdown: float
+    comm_slowdown_during_compute: float
+    issue_ns: int
     malloc_base_ns: int
     malloc_ns_per_byte: float
     free_base_ns: int
     free_ns_per_byte: float
+
+    @property
+    def malloc_syncs_device(self) -> bool:
+        return self.backend == "nccl"  # cudaMalloc synchronises; host malloc does not
 
     @property
     def describe(self) -> str:
@@ -161,6 +169,9 @@ def profile_from_dict(obj: Any, where: str) -> HardwareProfile:
         copy_latency_ns=int(_num(copy, "latency_ns", f"{where}: copy", positive=False)),
         collectives=colls,
         comm_slowdown=_num(obj, "comm_slowdown", where),
+        comm_slowdown_during_compute=_num(obj, "comm_slowdown_during_compute", where) if
+        "comm_slowdown_during_compute" in obj else 1.0,
+        issue_ns=int(_num(obj, "issue_ns", where, positive=False)) if "issue_ns" in obj else 0,
         malloc_base_ns=int(_num(alloc, "malloc_base_ns", f"{where}: alloc", positive=False)),
         malloc_ns_per_byte=_num(alloc, "malloc_ns_per_byte", f"{where}: alloc", positive=False),
         free_base_ns=int(_num(alloc, "free_base_ns", f"{where}: alloc", positive=False)),

@@ -26,6 +26,12 @@ MODEL_PRESETS: dict[str, TransformerConfig] = {
         TransformerConfig("llama2-7b", layers=32, hidden=4096, heads=32, ffn=11008, **_L),
         TransformerConfig("llama2-13b", layers=40, hidden=5120, heads=40, ffn=13824, **_L),
         TransformerConfig("llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, **_L),
+        # Small models for local runs on CPUs: kernels of milliseconds, as on a real cluster
+        # the step is dominated by work rather than per-op overhead.
+        TransformerConfig("small", family="roberta", layers=4, hidden=512, heads=8, ffn=2048, vocab=8000,
+                          max_positions=258, type_vocab=1),
+        TransformerConfig("medium", family="roberta", layers=6, hidden=768, heads=12, ffn=3072, vocab=8000,
+                          max_positions=258, type_vocab=1),
         # Tiny models for tests and local runs (a few hundred thousand parameters).
         TransformerConfig("tiny", family="roberta", layers=2, hidden=64, heads=4, ffn=256, vocab=1000,
                           max_positions=130, type_vocab=1),

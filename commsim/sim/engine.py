@@ -144,6 +144,12 @@ class FluidNetwork:
         self._reschedule()
         return ev
 
+    def refresh(self) -> None:
+        """Capacities changed: settle progress so far, then re-plan the rates."""
+        if self.active:
+            self._advance()
+            self._reschedule()
+
     def _advance(self) -> None:
         dt = self.env.now - self.last
         if dt:
@@ -203,6 +209,7 @@ class _RankSim:
         self.coll_seq: dict[tuple[int, ...], int] = {}
         self.record_of: dict[O.OpId, OpRecord] = {}
         self.rng = random.Random(sim.config.seed * 1_000_003 + rank)
+        self.node = sim.cost.node_of(rank)
         self.jitter = sim.jitter
         self.finished_issuing = False
 
@@ -257,7 +264,10 @@ class _RankSim:
         # Host work only advances the host's own clock; the simulation waits for it once,
         # before the next op that interacts with the device or the allocator.
         host_t = env.now
+        issue_ns = self.sim.cost.issue_ns
         for op in self.program.step:
+            if issue_ns and isinstance(op, O.DEVICE_OP_TYPES):
+                host_t += issue_ns  # the host's own cost of handing the op to its stream
             if isinstance(op, O.HostWork):
                 if rec:
                     self.result.records.append(OpRecord(self.rank, HOST, op, host_t, host_t, host_t + op.duration_ns))
@@ -350,7 +360,7 @@ class _RankSim:
         elif res.new_segment_bytes:
             # cudaMalloc synchronises the device (allocator.md), then maps the segment.
             pending = [e for e in self.last_issued.values() if not e.processed]
-            if pending:
+            if pending and cost.malloc_syncs_device:
                 yield simpy.AllOf(env, pending)
             yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes))
             self.result.host_blocks.append(HostBlock(t0, env.now, "allocator"))
@@ -425,9 +435,11 @@ class _RankSim:
                         dur = int(dur * cost.comm_slowdown)
                     if self.jitter:
                         dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
+                    self.sim.compute_started(self.node)
+                    yield env.timeout(dur)
+                    self.sim.compute_ended(self.node)
                 else:
-                    dur = cost.copy_ns(op)
-                yield env.timeout(dur)
+                    yield env.timeout(cost.copy_ns(op))
             r = OpRecord(self.rank, stream, op, issued, start, env.now, wait_peers, last_dep, ready)
             self.record_of[op.id] = r
             if rec:
@@ -473,11 +485,30 @@ class Simulator:
         self.ranks = {0} if mode == "symmetric" else set(range(schedule.world_size))
         self.nodes = {cost.node_of(r) for r in self.ranks}
         self.rendezvous: dict[tuple, _Rendezvous] = {}
-        self.network = FluidNetwork(self.env, cost.link_capacity)
+        self.compute_active: dict[int, int] = {}
+        self.network = FluidNetwork(self.env, self._capacity)
         self.oom: str | None = None
         self.stop = self.env.event()
         self._plans: dict[tuple, tuple[int, tuple]] = {}
         self._members: dict[tuple[int, ...], int] = {}
+
+    def _capacity(self, link) -> float:
+        cap = self.cost.link_capacity(link)
+        if self.compute_active.get(link[1]):
+            cap /= self.cost.comm_slowdown_during_compute
+        return cap
+
+    def compute_started(self, node: int) -> None:
+        n = self.compute_active.get(node, 0)
+        self.compute_active[node] = n + 1
+        if n == 0 and self.cost.comm_slowdown_during_compute != 1.0:
+            self.network.refresh()
+
+    def compute_ended(self, node: int) -> None:
+        n = self.compute_active[node] - 1
+        self.compute_active[node] = n
+        if n == 0 and self.cost.comm_slowdown_during_compute != 1.0:
+            self.network.refresh()
 
     def expected_members(self, group: tuple[int, ...]) -> int:
         n = self._members.get(group)

@@ -6,6 +6,9 @@ from commsim.ir import ops as O
 
 class FixedCosts:
     comm_slowdown = 1.0
+    comm_slowdown_during_compute = 1.0
+    issue_ns = 0
+    malloc_syncs_device = True
     malloc_base_ns = 1000
     malloc_ns_per_byte = 0.0
     free_base_ns = 500

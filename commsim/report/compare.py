@@ -1,0 +1,143 @@
+"""Prediction vs measurement: step time, busy time per stream and phase, exposed
+communication, and per-op duration errors, with the largest discrepancies named.
+
+Both traces are in commsim's schema: the predicted one from ``commsim predict --trace``
+(the simulated step; symmetric mode holds rank 0 only), the measured one from
+``commsim execute`` (several measured steps). Ops are matched by (rank, op id); a
+measured op's duration is its mean over the measured steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from commsim.ir.trace import HOST_STREAM, Trace, TraceRecord
+from commsim.strategies.summary import op_phase
+
+COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
+COMPUTE = {"gemm", "attention", "elementwise", "optimizer", "embedding"}
+
+
+def _union(iv: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def _length(iv: list[tuple[int, int]]) -> int:
+    return sum(b - a for a, b in _union(iv))
+
+
+def _exposed(comm: list[tuple[int, int]], comp: list[tuple[int, int]]) -> int:
+    """Time some collective runs while no compute kernel does."""
+    comp_u = _union(comp)
+    total = 0
+    for a, b in _union(comm):
+        covered = sum(max(0, min(b, d) - max(a, c)) for c, d in comp_u)
+        total += (b - a) - covered
+    return total
+
+
+@dataclass
+class StepView:
+    """One rank's step: step time and busy / exposed figures, in ns."""
+
+    step_ns: int
+    busy_by_stream: dict[str, int]
+    busy_by_phase: dict[str, int]
+    comm_ns: int
+    exposed_comm_ns: int
+
+
+def step_view(records: list[TraceRecord]) -> StepView:
+    dev = [r for r in records if r.stream != HOST_STREAM]
+    step = max((r.end_ns for r in records), default=0) - min((r.start_ns for r in records), default=0)
+    streams: dict[str, list[tuple[int, int]]] = {}
+    phases: dict[str, int] = {}
+    for r in dev:
+        streams.setdefault(r.stream, []).append((r.start_ns, r.end_ns))
+        ph = op_phase(r.label)
+        phases[ph] = phases.get(ph, 0) + r.end_ns - r.start_ns
+    comm = [(r.start_ns, r.end_ns) for r in dev if r.kind in COLLECTIVES]
+    comp = [(r.start_ns, r.end_ns) for r in dev if r.kind in COMPUTE and r.stream == "compute"]
+    return StepView(step, {s: _length(iv) for s, iv in streams.items()}, phases, _length(comm), _exposed(comm, comp))
+
+
+@dataclass
+class Comparison:
+    predicted_step_ns: float
+    measured_step_ns: float
+    measured_step_spread_ns: float
+    predicted: StepView
+    measured: StepView
+    op_errors: list[tuple[float, int, int, TraceRecord]]  # (signed rel. error, predicted ns, measured ns, record)
+
+    @property
+    def step_time_error_frac(self) -> float:
+        return (self.predicted_step_ns - self.measured_step_ns) / self.measured_step_ns
+
+    def percentiles(self) -> dict[str, float]:
+        errs = sorted(e for e, *_ in self.op_errors)
+        if not errs:
+            return {}
+
+        def q(p: float) -> float:
+            return errs[min(len(errs) - 1, int(p * (len(errs) - 1) + 0.5))]
+
+        return {"p10": q(0.1), "p50": q(0.5), "p90": q(0.9), "mean_abs": statistics.mean(abs(e) for e in errs)}
+
+    def worst(self, n: int = 10) -> list[tuple[float, int, int, TraceRecord]]:
+        return sorted(self.op_errors, key=lambda t: -abs(t[1] - t[2]))[:n]
+
+    def to_json(self, n_worst: int = 10) -> dict:
+        def view(v: StepView) -> dict:
+            return {"step_s": v.step_ns / 1e9, "busy_s_by_stream": {k: x / 1e9 for k, x in v.busy_by_stream.items()},
+                    "busy_s_by_phase": {k: x / 1e9 for k, x in v.busy_by_phase.items()},
+                    "comm_s": v.comm_ns / 1e9, "exposed_comm_s": v.exposed_comm_ns / 1e9}
+
+        return {
+            "step_time_error_frac": self.step_time_error_frac,
+            "predicted_step_s": self.predicted_step_ns / 1e9,
+            "measured_step_s": self.measured_step_ns / 1e9,
+            "measured_step_spread_s": self.measured_step_spread_ns / 1e9,
+            "predicted": view(self.predicted), "measured": view(self.measured),
+            "op_duration_error": self.percentiles(),
+            "ops_compared": len(self.op_errors),
+            "largest_discrepancies": [
+                {"op_id": r.op_id, "rank": r.rank, "stream": r.stream, "kind": r.kind, "label": r.label,
+                 "bytes": r.size_bytes, "flops": r.flops, "predicted_s": p / 1e9, "measured_s": m / 1e9}
+                for _, p, m, r in self.worst(n_worst)],
+        }
+
+
+def compare(predicted: Trace, measured: Trace, rank: int = 0) -> Comparison:
+    pred = [r for r in predicted.records if r.rank == rank and r.step == 0]
+    if not pred:
+        raise ValueError(f"the predicted trace has no records for rank {rank}")
+    steps = sorted({r.step for r in measured.records})
+    per_step = {s: [r for r in measured.records if r.step == s and r.rank == rank] for s in steps}
+    if not any(per_step.values()):
+        raise ValueError(f"the measured trace has no records for rank {rank}")
+    step_times = measured.meta.get("step_times_ns") or [step_view(per_step[s]).step_ns for s in steps]
+    pv = step_view(pred)
+    views = [step_view(per_step[s]) for s in steps if per_step[s]]
+    # the measured view: the step closest to the median step time
+    med = statistics.median(step_times)
+    mv = min(views, key=lambda v: abs(v.step_ns - med))
+    durs: dict[int, list[int]] = {}
+    for s in steps:
+        for r in per_step[s]:
+            durs.setdefault(r.op_id, []).append(r.end_ns - r.start_ns)
+    errors = []
+    for r in pred:
+        if r.op_id in durs and r.stream != HOST_STREAM:
+            m = statistics.mean(durs[r.op_id])
+            p = r.end_ns - r.start_ns
+            errors.append(((p - m) / m if m else 0.0, p, int(m), r))
+    spread = (max(step_times) - min(step_times)) / 2 if step_times else 0.0
+    return Comparison(float(pv.step_ns), float(statistics.mean(step_times)), float(spread), pv, mv, errors)

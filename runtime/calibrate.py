@@ -1,0 +1,278 @@
+"""Micro-benchmarks that turn a machine into a hardware profile (commsim-hw-profile v1).
+
+Every rank runs every benchmark at the same time, with the executor's own kernels and
+backend, because that is how a schedule will run: on a shared CPU two ranks' matmuls
+compete for the same cores, on GPUs each rank has its own.
+
+Measured:
+* GEMM throughput by size (the executor's batched matmul), as (flops, flops/s) points;
+* memory-bound kernels: fixed cost per kernel and bandwidth (a least-squares fit of
+  time over bytes), used for elementwise ops and copies;
+* each collective kind separately (all-gather, reduce-scatter, all-reduce, broadcast)
+  over the whole group: latency and bandwidth from a fit of time over bytes, never
+  assuming one kind from another (gloo's reduce-scatter, for one, costs an all-reduce);
+* how much slower compute runs while a collective is in flight, and the reverse;
+* the executor's own per-op costs: host time to issue a device op, and per-op overhead;
+* allocation cost by size.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from commsim.hardware.profile import PROFILE_SCHEMA_VERSION
+from commsim.ir import ops as O
+from commsim.ir.schedule import Program, Schedule
+from runtime.executor import RankExecutor, RankOptions, _all_gather, _Kernels, _reduce_scatter
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def _timeit(fn: Callable[[], Any], min_s: float, sync: Callable[[], None]) -> float:
+    """Median seconds per call over repeated batches lasting at least ``min_s`` in all."""
+    fn()
+    sync()
+    times = []
+    t_end = time.perf_counter() + min_s
+    while time.perf_counter() < t_end or len(times) < 3:
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares time = a + bytes / bw; returns (a seconds, bw bytes/s)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    sxy = sum((x - mx) * (y - my) for x, y in points)
+    slope = sxy / sxx if sxx else 0.0
+    a = max(0.0, my - slope * mx)
+    if slope <= 0:  # flat: bandwidth from the largest point alone
+        x, y = max(points)
+        slope = max(y - a, 1e-12) / x
+    return a, 1.0 / slope
+
+
+def _latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Latency from the smallest transfer, bandwidth from the slope between the smallest
+    and the largest (a least-squares intercept is dominated by the big sizes' noise)."""
+    points = sorted(points)
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    bw = (x1 - x0) / (y1 - y0) if y1 > y0 else x1 / max(y1, 1e-9)
+    return max(0.0, y0 - x0 / bw), bw
+
+
+class Calibrator:
+    def __init__(self, rank: int, world: int, backend: str, quick: bool = False, log: Callable[[str], None] = print):
+        self.rank, self.world, self.backend = rank, world, backend
+        self.gpu = backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
+        self.dtype = torch.bfloat16 if self.gpu else torch.float32
+        self.kernels = _Kernels(self.device, self.dtype)
+        self.min_s = 0.05 if quick else 0.2
+        self.quick = quick
+        self.log = log if rank == 0 else (lambda _m: None)
+
+    def sync(self) -> None:
+        if self.gpu:
+            torch.cuda.synchronize(self.device)
+
+    def _agree(self, x: float) -> float:
+        out = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return float(out.item())
+
+    def _together(self, fn: Callable[[], Any]) -> float:
+        """Time ``fn`` on all ranks at once; the slowest rank's median counts. Every rank
+        runs the same number of calls (a collective inside must match on all ranks)."""
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        self.sync()
+        first = self._agree(time.perf_counter() - t)
+        reps = int(min(200, max(3, self.min_s / max(first, 1e-7))))
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t)
+        return self._agree(statistics.median(times))
+
+    # ------------------------------------------------------------ compute
+    def gemm(self) -> list[list[float]]:
+        sizes = [16, 32, 64, 128, 256, 512] if self.quick else [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024]
+        points = []
+        for n in sizes:
+            for batch in (1, 8):
+                op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * n * n * n * batch, 0, 0,
+                               O.GemmShape(n, n, n, batch))
+                t = self._together(lambda op=op: self.kernels.run(op))
+                points.append([float(op.flops), op.flops / t])
+        # one rate per flop count (shapes of equal work measured with and without batching)
+        by_flops: dict[float, list[float]] = {}
+        for f, r in points:
+            by_flops.setdefault(f, []).append(r)
+        points = sorted([f, statistics.mean(rs)] for f, rs in by_flops.items())
+        self.log(f"gemm: {points[0][1] / 1e9:.1f} .. {max(p[1] for p in points) / 1e9:.1f} GFLOP/s")
+        return points
+
+    def memory(self) -> tuple[float, float]:
+        sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20] + ([] if self.quick else [32 << 20])
+        pts = []
+        for nbytes in sizes:
+            op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.ELEMENTWISE, 0, nbytes // 2, nbytes // 2)
+            pts.append((float(nbytes), self._together(lambda op=op: self.kernels.run(op))))
+        a, bw = _latency_bandwidth(pts)
+        self.log(f"memory-bound kernels: {a * 1e6:.1f} us + {bw / 1e9:.2f} GB/s")
+        return a, bw
+
+    # ------------------------------------------------------------ collectives
+    def _collective(self, kind: str, nbytes: int) -> Callable[[], Any]:
+        p = self.world
+        n = max(p, nbytes // 4 // p * p)
+        buf = torch.ones(n, dtype=torch.float32, device=self.device)
+        shard = torch.ones(n // p, dtype=torch.float32, device=self.device)
+        if kind == "all_gather":
+            return lambda: _all_gather(buf, shard)
+        if kind == "reduce_scatter":
+            return lambda: _reduce_scatter(shard, buf)
+        if kind == "all_reduce":
+            return lambda: dist.all_reduce(buf)
+        return lambda: dist.broadcast(buf, src=0)
+
+    def collectives(self) -> dict[str, dict[str, dict[str, float]]]:
+        sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20] + ([] if self.quick else [16 << 20])
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for kind in KINDS:
+            pts = [(float(s), self._together(self._collective(kind, s))) for s in sizes]
+            a, bw = _latency_bandwidth(pts)
+            out[kind] = {str(self.world): {"latency_ns": int(a * 1e9), "bytes_per_s": bw}}
+            self.log(f"{kind} over {self.world} ranks: {a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")
+        return out
+
+    def contention(self) -> tuple[float, float]:
+        """(compute slowdown while a collective runs, collective slowdown while compute runs).
+
+        A fixed number of collectives run in a background thread (the same count on every
+        rank, so none is left waiting) while the foreground runs matmuls until they are
+        done; each side's rate is compared with its rate alone."""
+        n = 256 if self.quick else 384
+        op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * n ** 3 * 4, 0, 0, O.GemmShape(n, n, n, 4))
+        comm = self._collective("all_reduce", 4 << 20)
+        compute_alone = self._together(lambda: self.kernels.run(op))
+        comm_alone = self._together(comm)
+        reps = max(4, int(0.3 / max(comm_alone, 1e-6))) if not self.quick else max(3, int(0.1 / max(comm_alone, 1e-6)))
+        done = threading.Event()
+        comm_elapsed = [0.0]
+
+        def background() -> None:
+            t = time.perf_counter()
+            for _ in range(reps):
+                comm()
+            self.sync()
+            comm_elapsed[0] = time.perf_counter() - t
+            done.set()
+
+        dist.barrier()
+        th = threading.Thread(target=background, daemon=True)
+        t = time.perf_counter()
+        th.start()
+        count = 0
+        while not done.is_set():
+            self.kernels.run(op)
+            self.sync()
+            count += 1
+        fg = time.perf_counter() - t
+        th.join()
+        compute_busy = fg / max(count, 1)
+        comm_busy = comm_elapsed[0] / reps
+        res = torch.tensor([compute_busy / compute_alone, comm_busy / comm_alone], dtype=torch.float64)
+        dist.all_reduce(res, op=dist.ReduceOp.MAX)
+        slow_c, slow_n = max(1.0, float(res[0])), max(1.0, float(res[1]))
+        self.log(f"contention: compute x{slow_c:.2f} while communicating, communication x{slow_n:.2f} while computing")
+        return slow_c, slow_n
+
+    # ------------------------------------------------------------ executor costs
+    def executor_overheads(self) -> tuple[int, int]:
+        """(host ns to issue a device op, per-op overhead ns) of the executor itself."""
+        n = 300
+        step = tuple(O.Compute(O.OpId(i + 1), "compute", "tiny", O.ComputeKind.ELEMENTWISE, 0, 64, 64)
+                     for i in range(n))
+        sched = Schedule.uniform(self.world, Program((), step))
+        ex = RankExecutor(sched, self.rank, self.backend, RankOptions(steps=3, warmup=1))
+        run = ex.run()
+        per_op = statistics.median(run.step_times_ns) / n
+        issue = [r for r in run.records if r.stream != "host"]
+        # issue cost: how fast the host hands ops over (start of the i-th op can be no
+        # earlier than i issues); estimate from the worker's inter-op gaps and span
+        starts = sorted(r.start_ns for r in issue if r.step == 0)
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        issue_ns = int(statistics.median(gaps)) if gaps else 0
+        res = torch.tensor([per_op, issue_ns], dtype=torch.float64)
+        dist.all_reduce(res, op=dist.ReduceOp.MAX)
+        self.log(f"executor: {res[0] / 1e3:.1f} us per op, host issue {res[1] / 1e3:.1f} us")
+        return int(res[1]), int(res[0])
+
+    def alloc(self) -> tuple[float, float]:
+        pts = []
+        for nbytes in (4 << 10, 1 << 20, 16 << 20, 64 << 20):
+            pts.append((float(nbytes), _timeit(lambda n=nbytes: torch.empty(n, dtype=torch.uint8, device=self.device),
+                                               self.min_s / 2, self.sync)))
+        a, bw = _fit(pts)
+        return a, (1.0 / bw if bw else 0.0)
+
+    # ------------------------------------------------------------ all
+    def run(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        gemm = self.gemm()
+        mem_a, mem_bw = self.memory()
+        colls = self.collectives()
+        slow_c, slow_n = self.contention()
+        issue_ns, per_op_ns = self.executor_overheads()
+        alloc_a, alloc_per_byte = self.alloc()
+        mem_total = torch.cuda.get_device_properties(self.device).total_memory if self.gpu else _host_memory()
+        self.log(f"calibration took {time.perf_counter() - t0:.0f} s")
+        return {
+            "kind": "commsim-hw-profile", "schema_version": PROFILE_SCHEMA_VERSION,
+            "description": f"{self.world} ranks, {self.backend}, {_describe(self.device)}",
+            "backend": self.backend, "ranks_per_node": self.world, "memory_bytes": int(mem_total),
+            "kernel_overhead_ns": max(int(mem_a * 1e9), per_op_ns),
+            "issue_ns": issue_ns,
+            "gemm": gemm,
+            "elementwise_bytes_per_s": mem_bw,
+            "copy": {"d2d_bytes_per_s": mem_bw / 2, "h2d_bytes_per_s": mem_bw / 2, "latency_ns": int(mem_a * 1e9)},
+            "collectives": colls,
+            "comm_slowdown": slow_c,
+            "comm_slowdown_during_compute": slow_n,
+            "alloc": {"malloc_base_ns": int(alloc_a * 1e9), "malloc_ns_per_byte": alloc_per_byte * 1e9,
+                      "free_base_ns": int(alloc_a * 1e9), "free_ns_per_byte": 0.0},
+        }
+
+
+def _host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 << 30
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import os
+    return f"{os.cpu_count()} CPU cores, torch {torch.__version__}"
