@@ -46,6 +46,7 @@ class Scenario:
     mode: str = "auto"
     seed: int = 0
     jitter: float | None = None
+    host_costs: Any = None  # HostCosts overriding the defaults / the profile's measured ones
     warnings: list[str] = field(default_factory=list, compare=False)
 
     def with_(self, **changes: Any) -> "Scenario":
@@ -115,9 +116,23 @@ def build_schedule(sc: Scenario):
     md = describe_model(sc.model, micro, sc.seq, ds.param_dtype_bytes)
     knobs = knobs_from(sc.preset, list(sc.knobs))
     schedule = generate(md, world, ds, knobs, checkpointing=sc.checkpointing, grad_accum=gas, preset=sc.preset,
-                        checkpoint_style=sc.checkpoint_style)
+                        checkpoint_style=sc.checkpoint_style, costs=_host_costs(sc))
     info = step_info(md, world.size, sc.nodes, gas, sc.checkpointing, cluster.node.price_usd_per_hour)
     return schedule, md, info, ds.precision
+
+
+def _host_costs(sc: Scenario):
+    """Host costs measured into the hardware profile, if it has them; else the defaults."""
+    from commsim.strategies.knobs import HostCosts, host_costs_from
+    from commsim.util.files import read_json
+
+    if sc.host_costs is not None:
+        return sc.host_costs
+    if sc.hw_profile:
+        obj = read_json(sc.hw_profile, CommsimInputError)
+        if isinstance(obj, dict) and "host_costs" in obj:
+            return host_costs_from(obj["host_costs"], sc.hw_profile)
+    return HostCosts()
 
 
 def describe_model(model: str, micro_batch: int, seq: int, dtype_bytes: int = 2):
@@ -156,7 +171,7 @@ def cost_model(sc: Scenario, precision: str) -> tuple[CostModel, str]:
     if sc.hw_profile:
         from commsim.hardware.profile import load_profile
 
-        prof = load_profile(sc.hw_profile)
+        prof = load_profile(sc.hw_profile, precision)
         return prof, f"profile {sc.hw_profile}"
     cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
     return SpecCostModel(cluster, precision), cluster.name
@@ -192,7 +207,7 @@ def predict(sc: Scenario) -> Prediction:
     result = sim.run()
     metrics = compute_metrics(result, info)
     title = f"commsim predict: {what} on {hardware} = {schedule.world_size} GPUs"
-    scen = {k: v for k, v in sc.__dict__.items() if k != "warnings"}
+    scen = {k: v for k, v in sc.__dict__.items() if k not in ("warnings", "host_costs")}
     return Prediction(scen, schedule, result, metrics, info, title, cost.hbm_bytes, hardware)
 
 

@@ -293,6 +293,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     nproc = args.nproc_per_node
     calibrate_local(nproc, args.backend, args.output, quick=args.quick)
+    if args.deepspeed_host_costs:
+        from commsim.util.files import atomic_write_text
+        from runtime.calibrate_ds import measure_host_costs
+
+        costs = measure_host_costs(nproc, args.output, log=lambda m: print(f"calibrate: {m}", flush=True))
+        profile = json.loads(Path(args.output).read_text())
+        profile["host_costs"] = costs
+        atomic_write_text(args.output, json.dumps(profile, indent=1))
     print(f"{args.output}: hardware profile of {nproc} {args.backend} ranks "
           f"(use: commsim predict --hw-profile {args.output})")
     return 0
@@ -499,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=_positive_int, default=2, help="local ranks (default 2)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (GPU)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and shorter timings (tests)")
+    p.add_argument("--deepspeed-host-costs", action="store_true",
+                   help="also measure real DeepSpeed's hook costs on this machine (runs it; needs deepspeed)")
     p.add_argument("-o", "--output", default="profile.json", help="profile file (default profile.json)")
     p.set_defaults(func=cmd_calibrate)
 

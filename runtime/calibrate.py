@@ -110,21 +110,25 @@ class Calibrator:
         return self._agree(statistics.median(times))
 
     # ------------------------------------------------------------ compute
-    def gemm(self) -> list[list[float]]:
+    def gemm(self, dtype: torch.dtype) -> list[list[float]]:
         sizes = [16, 32, 64, 128, 256, 512] if self.quick else [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024]
+        if dtype == torch.bfloat16 and not self.gpu:
+            sizes = [s for s in sizes if s <= 512]  # slow on CPUs without bf16 units; the curve is flat by then
+        kernels = _Kernels(self.device, dtype)
         points = []
         for n in sizes:
             for batch in (1, 8):
                 op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * n * n * n * batch, 0, 0,
                                O.GemmShape(n, n, n, batch))
-                t = self._together(lambda op=op: self.kernels.run(op))
+                t = self._together(lambda op=op: kernels.run(op))
                 points.append([float(op.flops), op.flops / t])
         # one rate per flop count (shapes of equal work measured with and without batching)
         by_flops: dict[float, list[float]] = {}
         for f, r in points:
             by_flops.setdefault(f, []).append(r)
         points = sorted([f, statistics.mean(rs)] for f, rs in by_flops.items())
-        self.log(f"gemm: {points[0][1] / 1e9:.1f} .. {max(p[1] for p in points) / 1e9:.1f} GFLOP/s")
+        self.log(f"gemm {str(dtype).removeprefix('torch.')}: {points[0][1] / 1e9:.1f} .. "
+                 f"{max(p[1] for p in points) / 1e9:.1f} GFLOP/s")
         return points
 
     def memory(self) -> tuple[float, float]:
@@ -235,7 +239,8 @@ class Calibrator:
     # ------------------------------------------------------------ all
     def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        gemm = self.gemm()
+        gemm_by_dtype = {"fp32": self.gemm(torch.float32), "bf16": self.gemm(torch.bfloat16)}
+        gemm = gemm_by_dtype["bf16" if self.gpu else "fp32"]
         mem_a, mem_bw = self.memory()
         colls = self.collectives()
         slow_c, slow_n = self.contention()
@@ -250,6 +255,7 @@ class Calibrator:
             "kernel_overhead_ns": max(int(mem_a * 1e9), per_op_ns),
             "issue_ns": issue_ns,
             "gemm": gemm,
+            "gemm_by_dtype": gemm_by_dtype,
             "elementwise_bytes_per_s": mem_bw,
             "copy": {"d2d_bytes_per_s": mem_bw / 2, "h2d_bytes_per_s": mem_bw / 2, "latency_ns": int(mem_a * 1e9)},
             "collectives": colls,

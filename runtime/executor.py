@@ -148,7 +148,9 @@ class RankExecutor:
         self.opts = options
         self.gpu = backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
-        dtype = options.compute_dtype or (torch.bfloat16 if self.gpu else torch.float32)
+        # kernels in the schedule's precision (what the real model would run in)
+        precision = str(dict(schedule.meta.knobs).get("precision", "bf16" if self.gpu else "fp32"))
+        dtype = options.compute_dtype or {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
         self.kernels = _Kernels(self.device, dtype)
         self.groups = _Groups(schedule, self.world)
         self.buffers: dict[str, torch.Tensor] = {}

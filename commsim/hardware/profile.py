@@ -56,7 +56,7 @@ class HardwareProfile:
     ranks_per_node: int
     hbm_bytes: int
     kernel_overhead_ns: int
-    gemm: tuple[tuple[float, float], ...]
+    gemm: tuple[tuple[float, float], ...]  # for the schedule's precision when measured, else the default
     elementwise_bytes_per_s: float
     d2d_bytes_per_s: float
     h2d_bytes_per_s: float
@@ -131,17 +131,25 @@ def _num(obj: dict[str, Any], key: str, where: str, positive: bool = True) -> fl
     return float(v)
 
 
-def profile_from_dict(obj: Any, where: str) -> HardwareProfile:
+def _gemm_points(gemm: Any, where: str) -> tuple[tuple[float, float], ...]:
+    if not isinstance(gemm, list) or not gemm or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in p) for p in gemm):
+        raise CommsimInputError(f"{where} must be a non-empty list of [flops, flops_per_s] pairs")
+    return tuple(sorted((float(a), float(b)) for a, b in gemm))
+
+
+def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> HardwareProfile:
+    """``precision`` (fp32 / bf16 / fp16) picks the GEMM curve measured in that dtype."""
     if not isinstance(obj, dict) or obj.get("kind") != "commsim-hw-profile":
         raise CommsimInputError(f"{where}: not a commsim hardware profile (missing \"kind\": \"commsim-hw-profile\")")
     if obj.get("schema_version") != PROFILE_SCHEMA_VERSION:
         raise CommsimInputError(f"{where}: unsupported profile schema version {obj.get('schema_version')!r}; "
                                 f"this commsim reads {PROFILE_SCHEMA_VERSION}")
-    gemm = obj.get("gemm")
-    if not isinstance(gemm, list) or not gemm or not all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in p) for p in gemm):
-        raise CommsimInputError(f"{where}: field 'gemm' must be a non-empty list of [flops, flops_per_s] pairs")
-    gemm_t = tuple(sorted((float(a), float(b)) for a, b in gemm))
+    gemm_t = _gemm_points(obj.get("gemm"), f"{where}: field 'gemm'")
+    by_dtype = obj.get("gemm_by_dtype", {})
+    key = {"fp16": "bf16"}.get(precision or "", precision or "")  # fp16 and bf16 run alike
+    if isinstance(by_dtype, dict) and key in by_dtype:
+        gemm_t = _gemm_points(by_dtype[key], f"{where}: field 'gemm_by_dtype.{key}'")
     copy = obj.get("copy", {})
     alloc = obj.get("alloc", {})
     colls: dict[str, dict[int, CollectiveFit]] = {}
@@ -179,5 +187,5 @@ def profile_from_dict(obj: Any, where: str) -> HardwareProfile:
     )
 
 
-def load_profile(path: str | Path) -> HardwareProfile:
-    return profile_from_dict(read_json(path, CommsimInputError), str(path))
+def load_profile(path: str | Path, precision: str | None = None) -> HardwareProfile:
+    return profile_from_dict(read_json(path, CommsimInputError), str(path), precision)

@@ -88,8 +88,9 @@ def knobs_from(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Knob
 class HostCosts:
     """Host (Python) time per action, in ns.
 
-    These are first estimates with their reasoning; ``commsim calibrate`` measures the
-    launch and allocation costs on the user's machine and replaces them.
+    These are first estimates with their reasoning; ``commsim calibrate
+    --deepspeed-host-costs`` measures the hook costs of the real DeepSpeed on the user's
+    machine, and a profile carrying them replaces these (``host_costs_from``).
     """
 
     # Eager PyTorch dispatch + CUDA launch of one kernel: about 5-10 us on a modern
@@ -99,7 +100,26 @@ class HostCosts:
     collective_launch_ns: int = 20_000
     # DeepSpeed's pre/post-forward and backward hooks per submodule (Python).
     module_hook_ns: int = 30_000
+    # DeepSpeed's per-parameter gradient hook / reduction bookkeeping (Python).
+    grad_hook_ns: int = 10_000
     # Baseline fetch decision: Python work per parameter of the trace it examines.
     fetch_decision_per_param_ns: int = 2_000
     # Formatting a debug string with tensor ops (beyond the device sync it forces).
     debug_string_ns: int = 20_000
+
+
+def host_costs_from(obj: object, where: str) -> HostCosts:
+    """HostCosts from a profile's ``host_costs`` object (unknown keys refused)."""
+    if not isinstance(obj, dict):
+        raise CommsimInputError(f"{where}: host_costs must be an object of name: ns")
+    names = {f.name for f in fields(HostCosts)}
+    values = {}
+    for k, v in obj.items():
+        if k in ("source",):
+            continue
+        if k not in names:
+            raise CommsimInputError(f"{where}: host_costs.{k}: unknown; allowed: {', '.join(sorted(names))}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise CommsimInputError(f"{where}: host_costs.{k}: must be a number of ns >= 0, got {v!r}")
+        values[k] = int(v)
+    return replace(HostCosts(), **values)

@@ -89,6 +89,8 @@ class Zero12Lowering:
         bucket: list[ParamSpec] = []
         elems = 0
         for p in params:
+            if self.stage == 1:  # reduce_gradients walks every parameter in Python
+                self.b.host(f"reduce {p.name}", O.HostKind.PYTHON, self.costs.grad_hook_ns)
             if bucket and elems + p.numel > size_elems:
                 self._reduce(bucket, f"{phase}.ar{self._next()}")
                 bucket, elems = [], 0
@@ -129,6 +131,7 @@ class Zero12Lowering:
                 self.uses[p.name] -= 1
 
     def _grad_ready(self, p: ParamSpec, mb: str) -> None:
+        self.b.host(f"grad hook {p.name}", O.HostKind.PYTHON, self.costs.grad_hook_ns)
         if self.bucket and self.bucket_elems + p.numel > self.z.reduce_bucket_size:
             self._reduce(self.bucket, f"{mb}bwd.ar{self._next()}")
             self.bucket, self.bucket_elems = [], 0

@@ -420,6 +420,7 @@ class Zero3Lowering:
 
     # ------------------------------------------------------------ gradients
     def _grad_ready(self, p: ParamSpec) -> None:
+        self.b.host(f"grad hook {p.name}", O.HostKind.PYTHON, self.costs.grad_hook_ns)
         if self.bucket and self.bucket_elems + p.numel > self.z.reduce_bucket_size:
             self._flush()
         b, s = self.b, self.rs_stream

@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--checkpoint-style", choices=("reentrant", "non_reentrant"), default="reentrant",
                     help="torch.utils.checkpoint use_reentrant=True (Hugging Face's default) or False")
     ap.add_argument("--timings", help="write per-step wall times (JSON) here, rank 0 only")
+    ap.add_argument("--profile", action="store_true", help="cProfile the last step on rank 0 (top 25 by time)")
     ap.add_argument("--mark-modules", action="store_true",
                     help="under commsim record: insert a marker per module hook (which module sent what)")
     args = ap.parse_args()
@@ -47,9 +48,10 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = resolve_model(args.model)
     stage = ds_cfg.get("zero_optimization", {}).get("stage", 0)
-    dtype = torch.bfloat16 if ds_cfg.get("bf16", {}).get("enabled") else torch.float32
     if stage == 3:
-        with deepspeed.zero.Init(config_dict_or_path=ds_cfg, dtype=dtype):
+        # dtype from the config: DeepSpeed 0.19's Init(dtype=...) on the CPU accelerator
+        # ignores an explicit dtype (an operator-precedence slip) and picks bf16
+        with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
             model = build_model(cfg)
     else:
         model = build_model(cfg)
@@ -65,12 +67,21 @@ def main() -> None:
             mod.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"bwd_pre:{n}"))
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     times = []
-    for _ in range(args.steps):
+    import cProfile
+    import pstats
+
+    for i in range(args.steps):
         ids = torch.randint(0, cfg.vocab, (micro, args.seq), generator=g)
+        prof = cProfile.Profile() if args.profile and i == args.steps - 1 and dist.get_rank() == 0 else None
         t = time.perf_counter()
+        if prof:
+            prof.enable()
         loss = engine(ids, labels=ids)
         engine.backward(loss)
         engine.step()
+        if prof:
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         times.append(time.perf_counter() - t)
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
