@@ -139,7 +139,10 @@ def main() -> None:
             if args.traces:
                 dest = Path(args.traces)
                 dest.mkdir(parents=True, exist_ok=True)
-                shutil.copy(out, dest / (row.name.replace(" ", "_") + ".json"))
+                from commsim.ir.trace import Trace
+
+                Trace.load(out).save(dest / (row.name.replace(" ", "_") + ".json.gz"))
+                shutil.copy(profiles[row.ranks], dest / f"profile-{row.ranks}ranks.json")
         err = (pred - meas) / meas
         results.append((row, pred, meas, err))
         print(f"{row.name:<28}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}", flush=True)

@@ -115,13 +115,18 @@ class Calibrator:
         if dtype == torch.bfloat16 and not self.gpu:
             sizes = [s for s in sizes if s <= 512]  # slow on CPUs without bf16 units; the curve is flat by then
         kernels = _Kernels(self.device, dtype)
+        # square matmuls, batched ones, and the tall-and-skinny shapes of transformer
+        # layers (tokens x hidden x 4*hidden and their gradients)
+        shapes = [(n, n, n, b) for n in sizes for b in (1, 8)]
+        if not self.quick and not (dtype == torch.bfloat16 and not self.gpu):
+            shapes += [(t, 4 * h, h, 1) for t in (256, 1024) for h in (256, 512)]
+            shapes += [(4 * h, h, t, 1) for t in (256, 1024) for h in (256, 512)]
         points = []
-        for n in sizes:
-            for batch in (1, 8):
-                op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * n * n * n * batch, 0, 0,
-                               O.GemmShape(n, n, n, batch))
-                t = self._together(lambda op=op: kernels.run(op))
-                points.append([float(op.flops), op.flops / t])
+        for m, n, k, batch in shapes:
+            op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * m * n * k * batch, 0, 0,
+                           O.GemmShape(m, n, k, batch))
+            t = self._together(lambda op=op: kernels.run(op))
+            points.append([float(op.flops), op.flops / t])
         # one rate per flop count (shapes of equal work measured with and without batching)
         by_flops: dict[float, list[float]] = {}
         for f, r in points:
@@ -131,15 +136,17 @@ class Calibrator:
                  f"{max(p[1] for p in points) / 1e9:.1f} GFLOP/s")
         return points
 
-    def memory(self) -> tuple[float, float]:
-        sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20] + ([] if self.quick else [32 << 20])
+    def memory(self) -> tuple[float, float, list[list[float]]]:
+        """Memory-bound kernels: from in-cache sizes to main-memory ones (a table)."""
+        sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20] + ([] if self.quick else [32 << 20, 128 << 20])
         pts = []
         for nbytes in sizes:
             op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.ELEMENTWISE, 0, nbytes // 2, nbytes // 2)
             pts.append((float(nbytes), self._together(lambda op=op: self.kernels.run(op))))
         a, bw = _latency_bandwidth(pts)
-        self.log(f"memory-bound kernels: {a * 1e6:.1f} us + {bw / 1e9:.2f} GB/s")
-        return a, bw
+        self.log(f"memory-bound kernels: {a * 1e6:.1f} us + {bw / 1e9:.2f} GB/s "
+                 f"({pts[-1][0] / pts[-1][1] / 1e9:.2f} GB/s at {pts[-1][0] / 2**20:.0f} MiB)")
+        return a, bw, [[int(x), y] for x, y in pts]
 
     # ------------------------------------------------------------ collectives
     def _collective(self, kind: str, nbytes: int) -> Callable[[], Any]:
@@ -155,13 +162,14 @@ class Calibrator:
             return lambda: dist.all_reduce(buf)
         return lambda: dist.broadcast(buf, src=0)
 
-    def collectives(self) -> dict[str, dict[str, dict[str, float]]]:
-        sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20] + ([] if self.quick else [16 << 20])
-        out: dict[str, dict[str, dict[str, float]]] = {}
+    def collectives(self) -> dict[str, dict[str, dict[str, Any]]]:
+        sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20] + ([] if self.quick else [16 << 20, 64 << 20])
+        out: dict[str, dict[str, dict[str, Any]]] = {}
         for kind in KINDS:
             pts = [(float(s), self._together(self._collective(kind, s))) for s in sizes]
             a, bw = _latency_bandwidth(pts)
-            out[kind] = {str(self.world): {"latency_ns": int(a * 1e9), "bytes_per_s": bw}}
+            out[kind] = {str(self.world): {"latency_ns": int(a * 1e9), "bytes_per_s": bw,
+                                           "points": [[int(x), y] for x, y in pts]}}
             self.log(f"{kind} over {self.world} ranks: {a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")
         return out
 
@@ -229,19 +237,24 @@ class Calibrator:
         return int(res[1]), int(res[0])
 
     def alloc(self) -> tuple[float, float]:
+        """An allocation as the executor makes it (on CPUs: fresh pages, touched)."""
         pts = []
         for nbytes in (4 << 10, 1 << 20, 16 << 20, 64 << 20):
-            pts.append((float(nbytes), _timeit(lambda n=nbytes: torch.empty(n, dtype=torch.uint8, device=self.device),
-                                               self.min_s / 2, self.sync)))
-        a, bw = _fit(pts)
-        return a, (1.0 / bw if bw else 0.0)
+            if self.gpu:
+                fn = (lambda n=nbytes: torch.empty(n, dtype=torch.uint8, device=self.device))
+            else:
+                fn = (lambda n=nbytes: torch.zeros(n, dtype=torch.uint8))
+            pts.append((float(nbytes), self._together(fn)))
+        a, bw = _latency_bandwidth(pts)
+        self.log(f"allocation: {a * 1e6:.1f} us + {1e9 / bw:.3f} ns per byte")
+        return a, 1.0 / bw
 
     # ------------------------------------------------------------ all
     def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         gemm_by_dtype = {"fp32": self.gemm(torch.float32), "bf16": self.gemm(torch.bfloat16)}
         gemm = gemm_by_dtype["bf16" if self.gpu else "fp32"]
-        mem_a, mem_bw = self.memory()
+        mem_a, mem_bw, mem_points = self.memory()
         colls = self.collectives()
         slow_c, slow_n = self.contention()
         issue_ns, per_op_ns = self.executor_overheads()
@@ -257,10 +270,12 @@ class Calibrator:
             "gemm": gemm,
             "gemm_by_dtype": gemm_by_dtype,
             "elementwise_bytes_per_s": mem_bw,
+            "elementwise_points": mem_points,
             "copy": {"d2d_bytes_per_s": mem_bw / 2, "h2d_bytes_per_s": mem_bw / 2, "latency_ns": int(mem_a * 1e9)},
             "collectives": colls,
             "comm_slowdown": slow_c,
             "comm_slowdown_during_compute": slow_n,
+            "caching_allocator": self.gpu,
             "alloc": {"malloc_base_ns": int(alloc_a * 1e9), "malloc_ns_per_byte": alloc_per_byte * 1e9,
                       "free_base_ns": int(alloc_a * 1e9), "free_ns_per_byte": 0.0},
         }

@@ -26,7 +26,6 @@ all-reduce the sum.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -165,12 +164,20 @@ class RankExecutor:
                               f"{type(err).__name__}: {err}")
 
     def _alloc(self, op: O.Alloc) -> None:
-        self.buffers[op.buffer] = torch.empty(op.size_bytes, dtype=torch.uint8, device=self.device)
+        if self.gpu:
+            self.buffers[op.buffer] = torch.empty(op.size_bytes, dtype=torch.uint8, device=self.device)
+        else:
+            # Host memory comes fresh from the OS for large blocks (no caching allocator in
+            # front of malloc): touch it now, so its page faults are paid by the allocation
+            # rather than by whichever kernel or collective writes it first.
+            self.buffers[op.buffer] = torch.zeros(op.size_bytes, dtype=torch.uint8)
         self.buffer_streams[op.buffer] = set()
 
     def _tensor(self, names: tuple[str, ...], nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of the first listed buffer large enough, else a scratch tensor."""
         item = torch.empty(0, dtype=dtype).element_size()
+        if self.opts.check_data:
+            names = ()  # concurrent collectives may target one buffer: keep checked data apart
         for n in names:
             t = self.buffers.get(n)
             if t is not None and t.numel() >= nbytes:
@@ -270,7 +277,11 @@ def _record(ex: RankExecutor, stream: str, op: O.Op, start: int, end: int) -> Tr
 
 
 class _CpuRank:
-    """Streams as worker threads; collectives issued in program order by ticket."""
+    """CPU semantics, as frameworks run on CPUs: a kernel executes on the host thread when
+    the host reaches it, once its dependencies and the previous op of its stream are done
+    (a CPU has no device queue). Collectives go to one issuer thread per stream (keeping
+    stream order without blocking the host), which hands them to the backend in program
+    order (a ticket), so every rank issues them in the same order."""
 
     def __init__(self, ex: RankExecutor):
         self.ex = ex
@@ -283,46 +294,43 @@ class _CpuRank:
         last_on: dict[str, threading.Event] = {}
         records: list[TraceRecord] = []
         lock = threading.Lock()
-        issued = [0]  # collectives issued so far (the ticket)
+        issued = [0]
         issue_cv = threading.Condition()
         errors: list[BaseException] = []
-        queues: dict[str, queue.Queue] = {}
+        issuers: dict[str, list] = {}  # stream -> [queue list, condition, thread]
         threads: list[threading.Thread] = []
 
-        def worker(stream: str, q: queue.Queue) -> None:
+        def issuer(stream: str, items: list, cv: threading.Condition) -> None:
             while True:
-                item = q.get()
+                with cv:
+                    while not items:
+                        cv.wait()
+                    item = items.pop(0)
                 if item is None:
                     return
-                op, ev = item
+                op, ev, prev = item
                 try:
+                    if prev is not None:
+                        prev.wait()
                     for d in op.deps:
                         done[d].wait()
                     if errors:
-                        ev.set()
                         continue
-                    start = time.perf_counter_ns()
-                    if isinstance(op, O.Collective):
-                        k = self.coll_index[op.id]
-                        with issue_cv:
-                            while issued[0] != k and not errors:
-                                issue_cv.wait(0.05)
-                            start = time.perf_counter_ns()
-                            work, check = ex.collective(op)
-                            issued[0] += 1
-                            issue_cv.notify_all()
-                        work.wait()
-                        if check is not None:
-                            check()
-                    elif isinstance(op, O.Compute):
-                        ex.kernels.run(op)
-                    else:
-                        ex.kernels.copy(op)
+                    with issue_cv:
+                        while issued[0] != self.coll_index[op.id] and not errors:
+                            issue_cv.wait(0.05)
+                        start = time.perf_counter_ns()
+                        work, check = ex.collective(op)
+                        issued[0] += 1
+                        issue_cv.notify_all()
+                    work.wait()
                     end = time.perf_counter_ns()
+                    if check is not None:
+                        check()
                     with lock:
                         records.append(_record(ex, stream, op, start, end))
-                except BaseException as e:  # noqa: BLE001 - reported with the op, re-raised on the host
-                    errors.append(ex.fail(op, e))
+                except BaseException as e:  # noqa: BLE001 - re-raised on the host with the op named
+                    errors.append(e if isinstance(e, ExecutionError) else ex.fail(op, e))
                     with issue_cv:
                         issue_cv.notify_all()
                 finally:
@@ -352,23 +360,55 @@ class _CpuRank:
                     ex._alloc(op)
                 elif isinstance(op, O.Free):
                     ex.buffers.pop(op.buffer, None)
-                else:
-                    if op.stream not in queues:
-                        queues[op.stream] = queue.Queue()
-                        th = threading.Thread(target=worker, args=(op.stream, queues[op.stream]), daemon=True)
+                    continue
+                elif isinstance(op, O.Collective):
+                    if op.stream not in issuers:
+                        cv = threading.Condition()
+                        items: list = []
+                        th = threading.Thread(target=issuer, args=(op.stream, items, cv), daemon=True)
                         th.start()
+                        issuers[op.stream] = [items, cv]
                         threads.append(th)
                     ev = threading.Event()
+                    item = (op, ev, last_on.get(op.stream))
                     done[op.id] = ev
                     last_on[op.stream] = ev
-                    queues[op.stream].put((op, ev))
+                    items, cv = issuers[op.stream]
+                    with cv:
+                        items.append(item)
+                        cv.notify()
                     continue
-                end = time.perf_counter_ns()
+                else:  # compute or copy: on the host thread, in stream order
+                    prev = last_on.get(op.stream)
+                    if prev is not None:
+                        prev.wait()
+                    for d in op.deps:
+                        done[d].wait()
+                    if errors:
+                        break
+                    start = time.perf_counter_ns()
+                    try:
+                        if isinstance(op, O.Compute):
+                            ex.kernels.run(op)
+                        else:
+                            ex.kernels.copy(op)
+                    except BaseException as e:  # noqa: BLE001
+                        raise ex.fail(op, e) from e
+                    end = time.perf_counter_ns()
+                    ev = threading.Event()
+                    ev.set()
+                    done[op.id] = ev
+                    last_on[op.stream] = ev
+                    with lock:
+                        records.append(_record(ex, op.stream, op, start, end))
+                    continue
                 with lock:
-                    records.append(_record(ex, HOST_STREAM, op, start, end))
+                    records.append(_record(ex, HOST_STREAM, op, start, time.perf_counter_ns()))
         finally:
-            for q in queues.values():
-                q.put(None)
+            for items, cv in issuers.values():
+                with cv:
+                    items.append(None)
+                    cv.notify()
             for th in threads:
                 th.join()
         if errors:

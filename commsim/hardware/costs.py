@@ -56,6 +56,8 @@ class CostModel(Protocol):
     comm_slowdown_during_compute: float
     issue_ns: int
     malloc_syncs_device: bool
+    synchronous_compute: bool  # kernels run on the host thread (CPUs) rather than queued on a device
+    caching_allocator: bool  # False: every allocation costs malloc_base_ns + malloc_ns_per_byte * size
     hbm_bytes: int
     malloc_base_ns: int
     malloc_ns_per_byte: float
@@ -92,6 +94,8 @@ class SpecCostModel:
         # issuing a device op costs host time only through the schedule's own launch ops
         self.issue_ns = 0
         self.malloc_syncs_device = True
+        self.synchronous_compute = False  # GPUs queue kernels; the host runs ahead
+        self.caching_allocator = True  # PyTorch's CUDA caching allocator
         self.hbm_bytes = self.gpu.hbm_bytes
         self.describe = cluster.name
 

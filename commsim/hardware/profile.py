@@ -47,6 +47,20 @@ _LINK_UNITS_PER_S = 1e9  # the shared link's capacity; demands are scaled to it
 class CollectiveFit:
     latency_ns: int
     bytes_per_s: float
+    points: tuple[tuple[float, float], ...] = ()  # measured (bytes, seconds), ascending
+
+    def seconds(self, size_bytes: float) -> float:
+        """Transfer time beyond the latency: piecewise linear between measured sizes,
+        the last segment's slope beyond them; the latency-bandwidth fit without points."""
+        pts = self.points
+        if len(pts) < 2:
+            return size_bytes / self.bytes_per_s
+        lat = pts[0][1]
+        i = bisect.bisect_left([x for x, _ in pts], size_bytes)
+        i = min(max(i, 1), len(pts) - 1)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        t = y0 + (y1 - y0) * (size_bytes - x0) / (x1 - x0)
+        return max(0.0, t - lat)
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,7 @@ class HardwareProfile:
     kernel_overhead_ns: int
     gemm: tuple[tuple[float, float], ...]  # for the schedule's precision when measured, else the default
     elementwise_bytes_per_s: float
+    elementwise_points: tuple[tuple[float, float], ...]  # measured (bytes, seconds) of memory-bound kernels
     d2d_bytes_per_s: float
     h2d_bytes_per_s: float
     copy_latency_ns: int
@@ -65,10 +80,16 @@ class HardwareProfile:
     comm_slowdown: float
     comm_slowdown_during_compute: float
     issue_ns: int
+    caching_allocator: bool  # False: every allocation pays the measured cost (host malloc)
     malloc_base_ns: int
     malloc_ns_per_byte: float
     free_base_ns: int
     free_ns_per_byte: float
+
+    @property
+    def synchronous_compute(self) -> bool:
+        """On CPUs (gloo) kernels run on the calling thread: the host waits for each."""
+        return self.backend != "nccl"
 
     @property
     def malloc_syncs_device(self) -> bool:
@@ -90,13 +111,26 @@ class HardwareProfile:
         t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
         return self.gemm[i - 1][1] * (1 - t) + self.gemm[i][1] * t
 
+    def _memory_s(self, nbytes: float) -> float:
+        """Memory-bound time: piecewise linear over the measured sizes (cache to DRAM)."""
+        pts = self.elementwise_points
+        if len(pts) < 2:
+            return nbytes / self.elementwise_bytes_per_s
+        lat = pts[0][1]
+        i = min(max(bisect.bisect_left([x for x, _ in pts], nbytes), 1), len(pts) - 1)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        return max(0.0, y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0) - lat)
+
     def compute_ns(self, op: O.Compute) -> int:
-        mem_s = (op.bytes_read + op.bytes_written) / self.elementwise_bytes_per_s
+        mem_s = self._memory_s(op.bytes_read + op.bytes_written)
         flop_s = op.flops / self._gemm_rate(op.flops) if op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION) \
             else 0.0
         return self.kernel_overhead_ns + int(max(mem_s, flop_s) * 1e9)
 
     def copy_ns(self, op: O.Copy) -> int:
+        if self.elementwise_points and (op.direction is O.CopyDirection.D2D or self.backend != "nccl"):
+            # the executor copies with the memory-bound kernel: read + write the bytes
+            return self.kernel_overhead_ns + int(self._memory_s(2 * op.size_bytes) * 1e9)
         bw = self.d2d_bytes_per_s if op.direction is O.CopyDirection.D2D else self.h2d_bytes_per_s
         return self.copy_latency_ns + int(op.size_bytes / bw * 1e9)
 
@@ -117,7 +151,7 @@ class HardwareProfile:
         # The measured group size nearest to p (ties: the larger, the more conservative).
         size = min(fits, key=lambda q: (abs(q - p), -q))
         fit = fits[size]
-        seconds = op.size_bytes / fit.bytes_per_s
+        seconds = fit.seconds(op.size_bytes)
         nodes = sorted({self.node_of(r) for r in op.group})
         return CollectivePlan(f"measured/{size}", fit.latency_ns,
                               tuple((("net", n), seconds * _LINK_UNITS_PER_S) for n in nodes))
@@ -162,8 +196,12 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
             w = f"{where}: collectives.{kind}.{p}"
             if not str(p).isdigit() or int(p) < 2:
                 raise CommsimInputError(f"{w}: group sizes are integers >= 2")
+            points = fit.get("points", [])
+            if not isinstance(points, list) or not all(isinstance(q, list) and len(q) == 2 for q in points):
+                raise CommsimInputError(f"{w}: points must be a list of [bytes, seconds] pairs")
             colls[kind][int(p)] = CollectiveFit(int(_num(fit, "latency_ns", w, positive=False)),
-                                                _num(fit, "bytes_per_s", w))
+                                                _num(fit, "bytes_per_s", w),
+                                                tuple(sorted((float(a), float(b)) for a, b in points)))
     return HardwareProfile(
         description=str(obj.get("description", "")),
         backend=str(obj.get("backend", "")),
@@ -172,6 +210,7 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         kernel_overhead_ns=int(_num(obj, "kernel_overhead_ns", where, positive=False)),
         gemm=gemm_t,
         elementwise_bytes_per_s=_num(obj, "elementwise_bytes_per_s", where),
+        elementwise_points=tuple(sorted((float(a), float(b)) for a, b in obj.get("elementwise_points", []))),
         d2d_bytes_per_s=_num(copy, "d2d_bytes_per_s", f"{where}: copy"),
         h2d_bytes_per_s=_num(copy, "h2d_bytes_per_s", f"{where}: copy"),
         copy_latency_ns=int(_num(copy, "latency_ns", f"{where}: copy", positive=False)),
@@ -180,6 +219,7 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         comm_slowdown_during_compute=_num(obj, "comm_slowdown_during_compute", where) if
         "comm_slowdown_during_compute" in obj else 1.0,
         issue_ns=int(_num(obj, "issue_ns", where, positive=False)) if "issue_ns" in obj else 0,
+        caching_allocator=bool(obj.get("caching_allocator", obj.get("backend") == "nccl")),
         malloc_base_ns=int(_num(alloc, "malloc_base_ns", f"{where}: alloc", positive=False)),
         malloc_ns_per_byte=_num(alloc, "malloc_ns_per_byte", f"{where}: alloc", positive=False),
         free_base_ns=int(_num(alloc, "free_base_ns", f"{where}: alloc", positive=False)),

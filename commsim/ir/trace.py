@@ -98,7 +98,15 @@ class Trace:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     def save(self, path: str | Path) -> None:
-        atomic_write_text(path, self.to_json())
+        """JSON; gzip-compressed when the name ends in .gz."""
+        if str(path).endswith(".gz"):
+            import gzip
+
+            from commsim.util.files import atomic_write_bytes
+
+            atomic_write_bytes(path, gzip.compress(self.to_json().encode()))
+        else:
+            atomic_write_text(path, self.to_json())
 
     @staticmethod
     def from_dict(obj: Any, where: str = "trace") -> "Trace":

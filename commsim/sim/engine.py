@@ -202,6 +202,7 @@ class _RankSim:
         self.wakeups: dict[str, simpy.Event | None] = {}
         self.space: dict[str, simpy.Event | None] = {}
         self.last_issued: dict[str, simpy.Event] = {}
+        self._last_id: dict[str, O.OpId] = {}
         self.blocks: dict[str, Block] = {}
         self.block_stream: dict[str, str] = {}
         self.buffer_streams: dict[str, set[str]] = {}
@@ -291,6 +292,8 @@ class _RankSim:
                     self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
             elif isinstance(op, O.Free):
                 self._free(op)
+            elif self.sim.cost.synchronous_compute and not isinstance(op, O.Collective):
+                yield from self._run_on_host(op)
             else:
                 stream = op.stream
                 q = self.queues.get(stream)
@@ -306,6 +309,7 @@ class _RankSim:
                 done = env.event()
                 self.done[op.id] = done
                 self.last_issued[stream] = done
+                self._last_id[stream] = op.id
                 for b in op.buffers:
                     bs = self.buffer_streams.get(b)
                     if bs is not None:
@@ -319,6 +323,47 @@ class _RankSim:
         if host_t > env.now:
             yield env.timeout(host_t - env.now)
 
+    def _host_waits(self, deps: tuple[O.OpId, ...]):
+        env = self.env
+        evs = [self.done[d] for d in deps]
+        pending = [e for e in evs if not e.processed]
+        if pending:
+            t0 = env.now
+            yield simpy.AllOf(env, pending)
+            self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(None, evs)))
+
+    def _run_on_host(self, op: O.Op):
+        """A CPU device: the kernel runs on the host thread once its inputs are ready."""
+        env, cost = self.env, self.sim.cost
+        issued = env.now
+        prev = self.last_issued.get(op.stream)  # stream order: after the stream's previous op
+        yield from self._host_waits(op.deps + ((self._last_id[op.stream],) if prev is not None else ()))
+        start = env.now
+        if isinstance(op, O.Compute):
+            dur = cost.compute_ns(op)
+            if self.active_comm:
+                dur = int(dur * cost.comm_slowdown)
+            if self.jitter:
+                dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
+            self.sim.compute_started(self.node)
+            yield env.timeout(dur)
+            self.sim.compute_ended(self.node)
+        else:
+            yield env.timeout(cost.copy_ns(op))
+        done = env.event()
+        self.done[op.id] = done
+        self.last_issued[op.stream] = done
+        self._last_id[op.stream] = op.id
+        for b in op.buffers:
+            bs = self.buffer_streams.get(b)
+            if bs is not None:
+                bs.add(op.stream)
+        r = OpRecord(self.rank, op.stream, op, issued, start, env.now, 0, None, start)
+        self.record_of[op.id] = r
+        if self.sim.config.keep_trace:
+            self.result.records.append(r)
+        done.succeed(op.id)
+
     def _sync_events(self, op: O.HostSync) -> list[simpy.Event]:
         if op.scope is O.SyncScope.OPS:
             return [self.done[d] for d in op.deps]
@@ -327,7 +372,7 @@ class _RankSim:
             return [e] if e is not None else []
         return list(self.last_issued.values())
 
-    def _sync_reason(self, op: O.HostSync, evs: list[simpy.Event]) -> str:
+    def _sync_reason(self, op: O.HostSync | None, evs: list[simpy.Event]) -> str:
         """The kind of the awaited op that finished last: what the host really waited on."""
         last = None
         for e in evs:
@@ -357,13 +402,16 @@ class _RankSim:
             delay += cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes)
             yield env.timeout(delay)
             self.result.host_blocks.append(HostBlock(t0, env.now, "allocator_flush"))
-        elif res.new_segment_bytes:
+        elif res.new_segment_bytes and cost.caching_allocator:
             # cudaMalloc synchronises the device (allocator.md), then maps the segment.
             pending = [e for e in self.last_issued.values() if not e.processed]
             if pending and cost.malloc_syncs_device:
                 yield simpy.AllOf(env, pending)
             yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes))
             self.result.host_blocks.append(HostBlock(t0, env.now, "allocator"))
+        elif not cost.caching_allocator:
+            # host malloc: fresh pages every time (the block bookkeeping still gives peaks)
+            yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * op.size_bytes))
         else:
             yield env.timeout(self.sim.config.alloc_hit_ns)
         self.blocks[op.buffer] = res.block

@@ -36,6 +36,10 @@ def read_json(path: str | Path, error: type[ValueError]) -> object:
 
     path = Path(path)
     try:
+        if path.suffix == ".gz":  # traces are kept compressed in the repository
+            import gzip
+
+            return json.loads(gzip.decompress(path.read_bytes()).decode())
         return json.loads(path.read_text())
     except OSError as e:
         raise error(f"{path}: cannot read: {e.strerror}") from None

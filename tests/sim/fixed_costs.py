@@ -9,6 +9,8 @@ class FixedCosts:
     comm_slowdown_during_compute = 1.0
     issue_ns = 0
     malloc_syncs_device = True
+    synchronous_compute = False
+    caching_allocator = True
     malloc_base_ns = 1000
     malloc_ns_per_byte = 0.0
     free_base_ns = 500

@@ -1,0 +1,66 @@
+"""commsim calibrate writes a profile predict can use; the stored traces are sound."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commsim.hardware.profile import load_profile
+from commsim.ir.trace import Trace, TraceSource
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_calibration_then_predict(tmp_path):
+    prof = tmp_path / "p.json"
+    out = subprocess.run([sys.executable, "-m", "commsim.cli", "calibrate", "--quick", "-o", str(prof)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    p = load_profile(prof, "fp32")
+    assert set(p.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
+    assert all(2 in fits for fits in p.collectives.values())
+    assert p.synchronous_compute and not p.caching_allocator  # a CPU profile
+    assert p.comm_slowdown >= 1.0 and p.kernel_overhead_ns > 0
+    obj = json.loads(prof.read_text())
+    assert set(obj["gemm_by_dtype"]) == {"fp32", "bf16"}
+    res = subprocess.run([sys.executable, "-m", "commsim.cli", "predict", "--model", "tiny", "--nodes", "1",
+                          "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "--hw-profile", str(prof),
+                          "--json"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["step_time_s"] > 0
+
+
+TRACES = sorted((ROOT / "traces" / "local-cpu").glob("*.json.gz"))
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])
+def test_stored_measured_traces(path):
+    t = Trace.load(path)
+    assert t.meta.source is TraceSource.MEASURED and t.meta.producer == "commsim execute (gloo)"
+    assert t.meta.schedule_hash and len(t.meta.get("step_times_ns")) == 3
+    ranks = {r.rank for r in t.records}
+    assert ranks in ({0, 1}, {0, 1, 2, 3})
+    assert {r.step for r in t.records} == {0, 1, 2}
+    assert all(r.end_ns >= r.start_ns >= 0 for r in t.records)
+    assert {"all_gather", "reduce_scatter", "all_reduce"} & {r.kind for r in t.records}
+
+
+def test_compare_reports_error(tmp_path):
+    from commsim.ir.trace import TraceMeta, TraceRecord
+
+    def trace(source, scale, steps):
+        recs = [TraceRecord(0, "compute", 1, "gemm", "fwd", 0, 100 * scale, 0, 1, s) for s in range(steps)]
+        recs += [TraceRecord(0, "allgather", 2, "all_gather", "fwd.ag", 0, 50 * scale, 8, 0, s) for s in range(steps)]
+        return Trace(TraceMeta(source), tuple(recs))
+
+    trace(TraceSource.PREDICTED, 1, 1).save(tmp_path / "p.json")
+    trace(TraceSource.MEASURED, 2, 2).save(tmp_path / "m.json")
+    out = subprocess.run([sys.executable, "-m", "commsim.cli", "compare", str(tmp_path / "p.json"),
+                          str(tmp_path / "m.json"), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["step_time_error_frac"] == -0.5
+    assert res["op_duration_error"]["p50"] == -0.5
+    assert res["largest_discrepancies"][0]["op_id"] == 1
