@@ -72,6 +72,15 @@ class Zero12Lowering:
         wait = b.wait_stream(COMPUTE) if s != COMPUTE else ()
         bufs = ("ipg_bucket",) if (self.stage == 2 and self.z.contiguous_gradients) else tuple(
             f"grad:{p.name}" for p in params)
+        flat = None
+        if self.stage in (1, 2):
+            # allreduce_bucket flattens the bucket into a new tensor first (stage_1_and_2.py)
+            flat = f"arflat[{self.n_ar}]"
+            b.alloc(flat, elems * self.dt, s, f"{label} flattened bucket")
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            b.copy(s, f"{label}.flatten", O.CopyDirection.D2D, elems * self.dt, deps=wait, buffers=bufs + (flat,))
+            wait = ()
+            bufs = (flat,)
         b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
         b.collective(s, label, O.CollectiveKind.ALL_REDUCE, elems * self.dt, self.dtype, self.group,
                      reduce_op=O.ReduceOp.SUM, deps=wait, buffers=bufs)
@@ -80,6 +89,8 @@ class Zero12Lowering:
         keep = elems if self.stage == 0 else ceil(elems / self.W)
         b.compute(s, f"{label}.keep_partition", O.ComputeKind.ELEMENTWISE, keep, keep * self.dt + keep * 4, keep * 4,
                   buffers=bufs + ("grad32",))
+        if flat is not None:
+            b.free(flat, s, f"{label} flattened bucket")
         if self.stage == 2:  # the full gradients are dropped once reduced
             for p in params:
                 b.free(f"grad:{p.name}", COMPUTE, f"gradient {p.name} (reduced)")
