@@ -230,7 +230,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(f"{'communication':<22}{m.comm_time_s:>10.3f} s   exposed {m.exposed_comm_s:.3f} s, overlap {m.overlap_frac:.1%}")
     print("compute-stream idle by cause:")
     for cause, v in sorted(m.stalls_s.items(), key=lambda kv: -kv[1]):
-        if v > 0:
+        if v >= 0.0005:  # below the table's resolution
             print(f"  {cause:<20}{v:>10.3f} s")
     print(f"{'memory':<22}peak allocated {_fmt_bytes(m.peak_allocated_bytes)}, reserved "
           f"{_fmt_bytes(m.peak_reserved_bytes)} of {_fmt_bytes(pred.hbm_bytes)}; allocator retries "
