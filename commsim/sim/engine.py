@@ -330,7 +330,8 @@ class _RankSim:
         if pending:
             t0 = env.now
             yield simpy.AllOf(env, pending)
-            self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(None, evs)))
+            if env.now > t0:
+                self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(None, evs)))
 
     def _run_on_host(self, op: O.Op):
         """A CPU device: the kernel runs on the host thread once its inputs are ready."""

@@ -126,3 +126,32 @@ def test_symmetric_mode_simulates_one_rank():
     res = run(Schedule.uniform(4, prog), mode="auto")
     assert res.mode == "symmetric" and list(res.ranks) == [0]
     assert events(res) == [(0, 10, 0, C, "c1"), (10, 60, 0, C, "ag2")]
+
+
+def test_cpu_semantics_kernels_run_on_the_host():
+    # A CPU profile: kernels execute on the host thread when it reaches them (after their
+    # deps and their stream's previous op); collectives still run in the background.
+    costs = FixedCosts()
+    costs.synchronous_compute = True
+    prog = Program((), (comp(1, 10), coll(2, 50, (0,)), comp(3, 5), comp(4, 20, deps=(O.OpId(2),)),
+                        O.HostWork(O.OpId(5), "after", O.HostKind.PYTHON, 3)))
+    res = run(Schedule.uniform(1, prog), costs=costs)
+    assert events(res, host=True) == [
+        (0, 10, 0, C, "c1"),
+        (10, 15, 0, C, "c3"),  # the host runs c3 while the all-gather is in flight
+        (10, 60, 0, AG, "ag2"),
+        (60, 80, 0, C, "c4"),  # the host waited for ag2, then ran c4
+        (80, 83, 0, HOST, "after"),
+    ]
+    assert [(hb.start_ns, hb.end_ns, hb.reason) for hb in res.ranks[0].host_blocks] == [(15, 60, "all_gather")]
+
+
+def test_host_malloc_costs_every_allocation():
+    costs = FixedCosts()
+    costs.caching_allocator = False
+    costs.malloc_ns_per_byte = 0.001
+    prog = Program((), (O.Alloc(O.OpId(1), C, "a", "a", 1 << 20), O.Free(O.OpId(2), C, "a", "a"),
+                        O.Alloc(O.OpId(3), C, "b", "b", 1 << 20), O.Free(O.OpId(4), C, "b", "b")))
+    res = run(Schedule.uniform(1, prog), costs=costs)
+    per = 1000 + int(0.001 * (1 << 20))  # no cache: both pay base + per-byte cost
+    assert [(r.start_ns, r.end_ns) for r in res.ranks[0].records] == [(0, per), (per, 2 * per)]
