@@ -211,15 +211,20 @@ def predict(sc: Scenario) -> Prediction:
     return Prediction(scen, schedule, result, metrics, info, title, cost.hbm_bytes, hardware)
 
 
-def predict_scenario(args: Any) -> Prediction:
-    """The CLI's flags as a Scenario, predicted; warnings go to stderr."""
-    sc = Scenario(
+def scenario_from_args(args: Any) -> Scenario:
+    """The CLI's predict flags as a Scenario."""
+    return Scenario(
         model=args.model, cluster=args.cluster, nodes=args.nodes,
         gpus_per_node=args.gpus_per_node, net=args.net, stage=args.stage, preset=args.preset,
         knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
         checkpointing=not args.no_checkpointing, checkpoint_style=args.checkpoint_style, schedule=args.schedule, hw_profile=args.hw_profile,
         mode=args.mode, seed=args.seed, jitter=args.jitter,
     )
+
+
+def predict_scenario(args: Any) -> Prediction:
+    """The CLI's flags as a Scenario, predicted; warnings go to stderr."""
+    sc = scenario_from_args(args)
     pred = predict(sc)
     for w in sc.warnings:
         print(f"commsim: warning: {w}", file=sys.stderr)

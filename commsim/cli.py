@@ -240,6 +240,27 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- sweep
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from commsim.api import scenario_from_args
+    from commsim.sweep import parse_grid, sweep, text_progress
+
+    if not args.grid:
+        raise CommsimInputError("commsim sweep: give at least one --grid NAME=V1,V2,...")
+    grid = parse_grid(args.grid)
+    base = scenario_from_args(args)
+    n = 1
+    for v in grid.values():
+        n *= len(v)
+    print(f"sweep: {n} points over {', '.join(grid)} -> {args.output}", file=sys.stderr)
+    df = sweep(base, grid, jobs=args.jobs, output=args.output, progress=None if args.quiet else text_progress())
+    errors = int((df["error"].fillna("") != "").sum()) if "error" in df else 0
+    print(f"{args.output}: {len(df)} rows ({errors} with errors)")
+    return 0
+
+
 # ---------------------------------------------------------------- execute
 
 
@@ -484,6 +505,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write a timeline plot of the step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_predict)
+    p = sub.add_parser("sweep", help="predict a grid of scenarios in parallel into a table (resumable)",
+                       description="Predict every combination of the --grid axes (on top of the other flags, which "
+                       "set the base scenario), in parallel, appending one CSV row per point as it finishes; a "
+                       "rerun with the same -o skips the points already there.")
+    add_scenario_flags(p)
+    p.add_argument("--net", choices=("efa", "ib"), help="inter-node fabric (default: the cluster's own)")
+    p.add_argument("--hw-profile", metavar="FILE", help="measured hardware profile")
+    p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto", help="simulation mode")
+    p.add_argument("--seed", type=int, default=0, help="jitter seed (default 0)")
+    p.add_argument("--jitter", type=float, help="per-rank compute jitter")
+    p.add_argument("--grid", action="append", metavar="NAME=V1,V2",
+                   help="an axis: a predict setting (stage, net, nodes, model, preset, micro_batch, ...), "
+                   "knob.NAME or ds.KEY (repeatable)")
+    p.add_argument("--jobs", type=_positive_int, default=2, help="parallel workers (default 2)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", default="sweep.csv", help="results CSV (default sweep.csv)")
+    p.set_defaults(func=cmd_sweep, schedule=None)
+
     p = sub.add_parser("execute", help="run a schedule for real through torch.distributed and measure it",
                        description="Run SCHEDULE on every rank (gloo on CPUs, NCCL with CUDA streams on GPUs): real "
                        "buffers, kernels and collectives, per-op timestamps, written as a measured trace by rank 0. "
