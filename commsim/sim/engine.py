@@ -333,13 +333,10 @@ class _RankSim:
             if env.now > t0:
                 self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(None, evs)))
 
-    def _run_on_host(self, op: O.Op):
-        """A CPU device: the kernel runs on the host thread once its inputs are ready."""
+    def _kernel(self, op: O.Op):
+        """Run a compute or copy op now: its cost, slowed while this device communicates
+        (and links slowed while it computes), jittered per rank."""
         env, cost = self.env, self.sim.cost
-        issued = env.now
-        prev = self.last_issued.get(op.stream)  # stream order: after the stream's previous op
-        yield from self._host_waits(op.deps + ((self._last_id[op.stream],) if prev is not None else ()))
-        start = env.now
         if isinstance(op, O.Compute):
             dur = cost.compute_ns(op)
             if self.active_comm:
@@ -351,6 +348,15 @@ class _RankSim:
             self.sim.compute_ended(self.node)
         else:
             yield env.timeout(cost.copy_ns(op))
+
+    def _run_on_host(self, op: O.Op):
+        """A CPU device: the kernel runs on the host thread once its inputs are ready."""
+        env = self.env
+        issued = env.now
+        prev = self.last_issued.get(op.stream)  # stream order: after the stream's previous op
+        yield from self._host_waits(op.deps + ((self._last_id[op.stream],) if prev is not None else ()))
+        start = env.now
+        yield from self._kernel(op)
         done = env.event()
         self.done[op.id] = done
         self.last_issued[op.stream] = done
@@ -451,7 +457,7 @@ class _RankSim:
         self.env.process(self.stream_proc(stream))
 
     def stream_proc(self, stream: str):
-        env, q, cost = self.env, self.queues[stream], self.sim.cost
+        env, q = self.env, self.queues[stream]
         rec = self.sim.config.keep_trace
         while True:
             if not q:
@@ -478,17 +484,7 @@ class _RankSim:
                 start, wait_peers = yield from self._collective(op)
             else:
                 start = env.now
-                if isinstance(op, O.Compute):
-                    dur = cost.compute_ns(op)
-                    if self.active_comm:
-                        dur = int(dur * cost.comm_slowdown)
-                    if self.jitter:
-                        dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
-                    self.sim.compute_started(self.node)
-                    yield env.timeout(dur)
-                    self.sim.compute_ended(self.node)
-                else:
-                    yield env.timeout(cost.copy_ns(op))
+                yield from self._kernel(op)
             r = OpRecord(self.rank, stream, op, issued, start, env.now, wait_peers, last_dep, ready)
             self.record_of[op.id] = r
             if rec:
