@@ -56,6 +56,16 @@ class ProgramBuilder:
              deps: tuple[O.OpId, ...] = (), buffers: tuple[str, ...] = ()) -> O.OpId:
         return self._device(O.Copy(self._id(), stream, label, direction, size_bytes, _dedup(deps), buffers))
 
+    def reduce_to_host(self, label: str, size_bytes: int, dtype: O.DType, group: tuple[int, ...],
+                       reduce_op: O.ReduceOp, launch_ns: int, why: str, deps: tuple[O.OpId, ...] = ()) -> None:
+        """An all-reduce of a scalar the host then reads (``.item()``): launch, collective on
+        the compute stream, device-to-host copy, host sync on it."""
+        self.host(f"{label} launch", O.HostKind.LAUNCH, launch_ns)
+        ar = self.collective("compute", label, O.CollectiveKind.ALL_REDUCE, size_bytes, dtype, group,
+                             reduce_op=reduce_op, deps=deps)
+        cp = self.copy("compute", label.replace("allreduce", "item"), O.CopyDirection.D2H, size_bytes, deps=(ar,))
+        self.sync_ops((cp,), why)
+
     def host(self, label: str, kind: O.HostKind, duration_ns: int) -> O.OpId | None:
         if duration_ns <= 0:
             return None

@@ -159,18 +159,12 @@ class Zero12Lowering:
         b, c = self.b, self.costs
         n = self.partition
         if self.stage in (1, 2):
-            b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            ar = b.collective(COMPUTE, "optimizer.overflow_allreduce", O.CollectiveKind.ALL_REDUCE, 1, O.DType.UINT8,
-                              self.group, reduce_op=O.ReduceOp.MAX)
-            cp = b.copy(COMPUTE, "optimizer.overflow_item", O.CopyDirection.D2H, 1, deps=(ar,))
-            b.sync_ops((cp,), "overflow .item()")
+            b.reduce_to_host("optimizer.overflow_allreduce", 1, O.DType.UINT8, self.group, O.ReduceOp.MAX,
+                             c.collective_launch_ns, "overflow .item()")
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.compute(COMPUTE, "optimizer.grad_norm", O.ComputeKind.ELEMENTWISE, 2 * n, n * 4, 4, buffers=("grad32",))
-            b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            ar = b.collective(COMPUTE, "optimizer.grad_norm_allreduce", O.CollectiveKind.ALL_REDUCE, 4, O.DType.FP32,
-                              self.group, reduce_op=O.ReduceOp.SUM)
-            cp = b.copy(COMPUTE, "optimizer.grad_norm_item", O.CopyDirection.D2H, 4, deps=(ar,))
-            b.sync_ops((cp,), "global gradient norm")
+            b.reduce_to_host("optimizer.grad_norm_allreduce", 4, O.DType.FP32, self.group, O.ReduceOp.SUM,
+                             c.collective_launch_ns, "global gradient norm")
         b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
         b.compute(COMPUTE, "optimizer.adam", O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n,
                   buffers=("fp32", "exp_avg", "exp_avg_sq", "grad32"))

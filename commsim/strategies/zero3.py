@@ -496,10 +496,8 @@ class Zero3Lowering:
         if self.ds.precision == "fp16":
             k = b.compute(COMPUTE, "optimizer.overflow_check", O.ComputeKind.ELEMENTWISE, total, total * 4, 4,
                           buffers=("grad32[0]",))
-            ar = b.collective(COMPUTE, "optimizer.overflow_allreduce", O.CollectiveKind.ALL_REDUCE, 4, O.DType.FP32,
-                              self.group, reduce_op=O.ReduceOp.MAX, deps=(k,))
-            cp = b.copy(COMPUTE, "optimizer.overflow_item", O.CopyDirection.D2H, 4, deps=(ar,))
-            b.sync_ops((cp,), "overflow .item()")
+            b.reduce_to_host("optimizer.overflow_allreduce", 4, O.DType.FP32, self.group, O.ReduceOp.MAX, 0,
+                             "overflow .item()", deps=(k,))
         if self.knobs.fused_grad_norm:
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.compute(COMPUTE, "optimizer.grad_norm", O.ComputeKind.ELEMENTWISE, 2 * total, total * 4, 8,
@@ -511,11 +509,8 @@ class Zero3Lowering:
                               self.part[p.name] * 4, 4, buffers=("grad32[0]",))
                 cp = b.copy(COMPUTE, f"optimizer.norm_item:{p.name}", O.CopyDirection.D2H, 4, deps=(n,))
                 b.sync_ops((cp,), f".item() of {p.name}'s norm")
-        b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-        ar = b.collective(COMPUTE, "optimizer.grad_norm_allreduce", O.CollectiveKind.ALL_REDUCE, 8, O.DType.FP64,
-                          self.group, reduce_op=O.ReduceOp.SUM)
-        cp = b.copy(COMPUTE, "optimizer.grad_norm_item", O.CopyDirection.D2H, 8, deps=(ar,))
-        b.sync_ops((cp,), "global gradient norm")
+        b.reduce_to_host("optimizer.grad_norm_allreduce", 8, O.DType.FP64, self.group, O.ReduceOp.SUM,
+                         c.collective_launch_ns, "global gradient norm")
         for g, params in enumerate(self.sub_groups()):
             n = sum(self.part[p.name] for p in params)
             bufs = (f"fp32[{g}]", f"exp_avg[{g}]", f"exp_avg_sq[{g}]", f"grad32[{g}]")
