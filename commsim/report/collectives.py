@@ -3,7 +3,7 @@
 A real run's trace (``commsim record``) holds every step, warm-up included, and its
 step boundaries (an optimizer-step hook) need not fall where a schedule's step starts
 (DeepSpeed re-gathers persistent parameters after the optimizer step). So the
-comparison looks for the schedule's whole per-step sequence as a contiguous run of the
+comparison (kind, bytes and group) looks for the schedule's whole per-step sequence as a contiguous run of the
 recorded one, and reports every place it occurs, or else the longest partial match
 and the first difference.
 """
@@ -19,7 +19,7 @@ from commsim.ir.schedule import Schedule
 from commsim.ir.trace import Trace, TraceRecord
 
 IGNORED = ("barrier", "marker")
-Key = tuple[str, int]
+Key = tuple[str, int, str]  # kind, bytes, group ("0,1,2,3"; "" where a recording did not say)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,14 @@ def load_recorded(path: str | Path, rank: int = 0) -> Trace:
 
 
 def schedule_sequence(schedule: Schedule, rank: int = 0) -> list[Key]:
-    return [(op.kind.value, op.size_bytes) for op in schedule.program_of(rank).step if isinstance(op, O.Collective)]
+    return [(op.kind.value, op.size_bytes, ",".join(map(str, op.group)))
+            for op in schedule.program_of(rank).step if isinstance(op, O.Collective)]
+
+
+def recorded_group(record: TraceRecord) -> str:
+    """The group a ``commsim record`` label names (``phase:method:dtype:ranks``), or ""."""
+    parts = record.label.split(":")
+    return parts[3] if len(parts) == 4 else ""
 
 
 def recorded_sequence(trace: Trace) -> list[TraceRecord]:
@@ -54,7 +61,10 @@ def recorded_sequence(trace: Trace) -> list[TraceRecord]:
 
 
 def align(expected: list[Key], recorded: list[TraceRecord]) -> Alignment:
-    seq = [(r.kind, r.size_bytes) for r in recorded]
+    # A recording that does not name groups is compared on kind and bytes only.
+    if recorded and not any(recorded_group(r) for r in recorded):
+        expected = [(k, b, "") for k, b, _ in expected]
+    seq = [(r.kind, r.size_bytes, recorded_group(r)) for r in recorded]
     n = len(expected)
     matches = tuple((i, recorded[i].step) for i in range(len(seq) - n + 1) if seq[i:i + n] == expected) if n else ()
     best_start, best_len = 0, -1

@@ -518,10 +518,13 @@ class Simulator:
         self.cost = cost
         self.config = config
         mode = config.mode
+        # Rank-symmetric: all ranks run one program, or (hierarchical partitioning) the
+        # same program over their own groups, as the generator declares.
+        symmetric_ok = len(schedule.programs) == 1 or schedule.meta.knob("rank_symmetric") is True
         if mode == "auto":
-            mode = "symmetric" if len(schedule.programs) == 1 else "per-rank"
-        if mode == "symmetric" and len(schedule.programs) != 1:
-            raise ValueError("symmetric mode needs every rank to run the same program")
+            mode = "symmetric" if symmetric_ok else "per-rank"
+        if mode == "symmetric" and not symmetric_ok:
+            raise ValueError("symmetric mode needs every rank to run the same program (up to its groups)")
         if mode not in ("symmetric", "per-rank"):
             raise ValueError(f"mode {mode!r}: allowed: symmetric, per-rank, auto")
         self.mode = mode
@@ -569,8 +572,16 @@ class Simulator:
             # Identical collectives recur every layer: plan once. Only links of nodes
             # that are simulated carry load that other simulated transfers can feel.
             plan = self.cost.collective(op)
-            cached = self._plans[key] = (plan.latency_ns,
-                                         tuple((l, b) for l, b in plan.demands if l[1] in self.nodes))
+            demands = tuple((l, b) for l, b in plan.demands if l[1] in self.nodes)
+            if self.mode == "symmetric":
+                # By symmetry, every rank of the node runs the same collective over its
+                # own group at the same time: a group with fewer members on a node than
+                # it has GPUs (MiCS replicas, one rank per node) shares the node's NICs
+                # with its sibling groups. (NVLink demands are per GPU port.)
+                gpn = getattr(self.cost, "gpus_per_node", None) or getattr(self.cost, "ranks_per_node", 1)
+                on = {nd: sum(1 for r in op.group if self.cost.node_of(r) == nd) for nd in self.nodes}
+                demands = tuple((l, b * gpn / on[l[1]] if l[0] == "nic" and on.get(l[1]) else b) for l, b in demands)
+            cached = self._plans[key] = (plan.latency_ns, demands)
         latency, demands = cached
         rv.done = env.event()
         rv.event.succeed(env.now)

@@ -13,6 +13,7 @@ from commsim.ir.errors import CommsimInputError
 from commsim.ir.schedule import Schedule, ScheduleMeta
 from commsim.models.spec import ModelDescription
 from commsim.strategies.dsconfig import DeepSpeedConfig
+from commsim.strategies.groups import per_rank_schedule
 from commsim.strategies.knobs import HostCosts, Knobs
 from commsim.strategies.zero3 import Zero3Lowering
 from commsim.strategies.zero12 import Zero12Lowering
@@ -38,9 +39,11 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
              checkpointing: bool = True, grad_accum: int = 1, costs: HostCosts | None = None,
              preset: str = "", checkpoint_style: str = "reentrant") -> Schedule:
     stage = ds.zero.stage
+    lowering = None
     if stage == 3:
-        program = Zero3Lowering(md, world.size, ds, knobs, costs or HostCosts(), checkpointing, grad_accum,
-                                checkpoint_style).program()
+        lowering = Zero3Lowering(md, world.size, ds, knobs, costs or HostCosts(), checkpointing, grad_accum,
+                                 checkpoint_style, world.gpus_per_node)
+        program = lowering.program()
     else:  # the ZeRO-3 knobs have nothing to act on in stages 0-2
         program = Zero12Lowering(md, world.size, ds, costs or HostCosts(), checkpointing, grad_accum,
                                  checkpoint_style).program()
@@ -56,10 +59,15 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
             ("max_live_parameters", ds.zero.max_live_parameters),
             ("max_reuse_distance", ds.zero.max_reuse_distance),
             ("param_persistence_threshold", ds.zero.param_persistence_threshold),
+            ("offload_optimizer", ds.zero.offload_optimizer.device),
+            ("zero_hpz_partition_size", ds.zero.zero_hpz_partition_size),
+            ("mics_shard_size", ds.zero.mics_shard_size),
         ),
         generator=GENERATOR_VERSION,
         description=f"DeepSpeed ZeRO-{stage} step of {md.name} on {world.nodes}x{world.gpus_per_node} GPUs",
     )
+    if lowering is not None:
+        return per_rank_schedule(world.size, program, lowering.groups_of, meta)
     return Schedule.uniform(world.size, program, meta)
 
 

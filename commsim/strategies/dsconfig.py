@@ -71,9 +71,14 @@ _KNOWN_UNUSED_TOP = {
     "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
     "communication_data_type", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "amp",
     "flops_profiler", "comms_logger", "tensorboard", "wandb", "csv_monitor", "dump_state", "checkpoint",
-    "data_types", "elasticity", "compression_training", "aio", "zero_force_ds_cpu_optimizer", "memory_breakdown",
+    "data_types", "compression_training", "aio", "zero_force_ds_cpu_optimizer", "memory_breakdown",
     "train_batch_size", "seed", "disable_allgather", "torch_autocast", "compile", "monitor_config",
 }
+# Blocks DeepSpeed 0.19.8 refuses (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS); older
+# versions accepted them. commsim warns rather than refusing: the schedule does not
+# depend on them, and the config may be meant for an older DeepSpeed.
+_REMOVED_TOP = {"elasticity", "sparse_attention", "eigenvalue", "progressive_layer_drop", "curriculum_learning",
+                "graph_harvesting"}
 _USED_TOP = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "bfloat16", "fp16",
              "gradient_clipping", "zero_optimization", "activation_checkpointing"}
 
@@ -102,6 +107,7 @@ class ZeroConfig:
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     zero_hpz_partition_size: int = 1
     mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,10 +187,23 @@ def parse_zero(obj: Any, where: str) -> ZeroConfig:
     kw["overlap_comm"] = overlap
     kw["stage"] = stage
     zero = ZeroConfig(**kw)
-    if zero.offload_param.device != "none" and stage != 3:
-        raise _bad(where, "zero_optimization.offload_param", f"needs stage 3 (stage is {stage})")
+    if zero.offload_param.device != "none":
+        where_key = "zero_optimization.offload_param"
+        if stage != 3:
+            raise _bad(where, where_key, f"needs stage 3 (stage is {stage})")
+        raise _bad(where, where_key, "parameter offload is not modelled yet; allowed: device none "
+                   "(offload_optimizer with device cpu is modelled)")
+    if zero.offload_optimizer.device == "nvme":
+        raise _bad(where, "zero_optimization.offload_optimizer.device",
+                   "nvme is not modelled yet; allowed: none, cpu")
+    if zero.offload_optimizer.device == "cpu" and stage == 0:
+        raise _bad(where, "zero_optimization.offload_optimizer", "needs stage 1, 2 or 3 (stage is 0)")
     if zero.zero_hpz_partition_size > 1 and stage != 3:
         raise _bad(where, "zero_optimization.zero_hpz_partition_size", f"needs stage 3 (stage is {stage})")
+    if zero.mics_shard_size > 0 and stage != 3:
+        raise _bad(where, "zero_optimization.mics_shard_size", f"needs stage 3 (stage is {stage})")
+    if zero.mics_shard_size == 0 or zero.mics_shard_size < -1:
+        raise _bad(where, "zero_optimization.mics_shard_size", f"must be -1 (off) or >= 1, got {zero.mics_shard_size}")
     if zero.zero_hpz_partition_size > 1 and zero.mics_shard_size > 0:
         raise _bad(where, "zero_optimization.mics_shard_size", "cannot be combined with zero_hpz_partition_size")
     return zero
@@ -194,7 +213,13 @@ def parse_ds_config(obj: Any, where: str = "ds_config") -> DeepSpeedConfig:
     if not isinstance(obj, dict):
         raise CommsimInputError(f"{where}: a DeepSpeed config is one JSON object")
     warnings = [f"{where}: {k}: not a DeepSpeed key commsim knows; ignored"
-                for k in obj if k not in _USED_TOP and k not in _KNOWN_UNUSED_TOP]
+                for k in obj if k not in _USED_TOP and k not in _KNOWN_UNUSED_TOP and k not in _REMOVED_TOP]
+    warnings += [f"{where}: {k}: removed in DeepSpeed 0.19.8, which refuses it (older versions accept it); "
+                 "ignored" for k in obj if k in _REMOVED_TOP]
+    zero_obj = obj.get("zero_optimization")
+    if isinstance(zero_obj, dict) and any(k in zero_obj for k in ("mics_shard_size", "mics_hierarchical_params_gather")):
+        warnings.append(f"{where}: zero_optimization.mics_shard_size: MiCS was removed in DeepSpeed 0.19.8, which "
+                        "refuses the key; commsim models MiCS as DeepSpeed 0.9-0.18 ran it")
     bf16 = obj.get("bf16", obj.get("bfloat16", {})) or {}
     fp16 = obj.get("fp16", {}) or {}
     for key, sect in (("bf16", bf16), ("fp16", fp16)):

@@ -106,6 +106,13 @@ class HostCosts:
     fetch_decision_per_param_ns: int = 2_000
     # Formatting a debug string with tensor ops (beyond the device sync it forces).
     debug_string_ns: int = 20_000
+    # CPU Adam (offload_optimizer: cpu), per fp32 parameter of this rank's partition, in
+    # picoseconds. DeepSpeedCPUAdam is memory-bound: it reads param, grad, exp_avg,
+    # exp_avg_sq (16 B) and writes param, exp_avg, exp_avg_sq and the 16-bit copy (14 B).
+    # A p4d.24xlarge host has 2 Xeon 8275CL sockets x 6 DDR4-2933 channels = 281 GB/s
+    # peak (Intel ARK); shared by its 8 ranks at a STREAM-like 70% that is 24.6 GB/s per
+    # rank, so 30 B take about 1.2 ns.
+    cpu_adam_ps_per_param: int = 1_200
 
 
 def host_costs_from(obj: object, where: str) -> HostCosts:

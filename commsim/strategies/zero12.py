@@ -13,7 +13,8 @@ zero/stage_1_and_2.py):
 * stage 2: the same buckets filled by gradient hooks *during* backward, as gradients
   become ready, all-reduced on the reduction stream when ``overlap_comm`` (else on the
   compute stream); the last bucket at the end of backward;
-* stages 1 and 2, optimizer: an overflow all-reduce (1 byte), the gradient-norm
+* stages 1 and 2, optimizer (CPU Adam on the host with ``offload_optimizer: cpu``, the
+  gradient shares copied to the host as they are reduced): an overflow all-reduce (1 byte), the gradient-norm
   all-reduce (4 bytes, fp32), Adam on this rank's fp32 partition, then one all-gather
   of the updated 16-bit partitions (the whole model, padded to the world size).
 """
@@ -38,8 +39,9 @@ class Zero12Lowering:
     def __init__(self, md: ModelDescription, world_size: int, ds: DeepSpeedConfig, costs: HostCosts,
                  checkpointing: bool, grad_accum: int, checkpoint_style: str = "reentrant"):
         z = ds.zero
-        if z.offload_optimizer.device != "none":
-            raise CommsimInputError("ds_config: zero_optimization.offload_optimizer: CPU/NVMe offload is not modelled yet")
+        if z.offload_optimizer.device not in ("none", "cpu"):
+            raise CommsimInputError("ds_config: zero_optimization.offload_optimizer.device: allowed: none, cpu")
+        self.offload = z.offload_optimizer.device == "cpu" and z.stage in (1, 2)
         self.md, self.W, self.ds, self.z, self.costs = md, world_size, ds, z, costs
         self.stage = z.stage
         self.grad_accum = grad_accum
@@ -59,9 +61,10 @@ class Zero12Lowering:
     def _setup(self) -> None:
         b = self.b
         b.setup_alloc("params16", self.total * self.dt, "16-bit parameters (whole model on every rank)")
-        for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            b.setup_alloc(state, self.partition * 4, f"fp32 {state} ({'partition' if self.stage else 'full'})")
-        b.setup_alloc("grad32", self.partition * 4, "fp32 gradient (partition)" if self.stage else "fp32 gradient")
+        if not self.offload:  # offloaded, the fp32 master, Adam state and gradient live in host memory
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                b.setup_alloc(state, self.partition * 4, f"fp32 {state} ({'partition' if self.stage else 'full'})")
+            b.setup_alloc("grad32", self.partition * 4, "fp32 gradient (partition)" if self.stage else "fp32 gradient")
         if self.stage == 2 and self.z.contiguous_gradients:
             b.setup_alloc("ipg_bucket", self.z.reduce_bucket_size * self.dt, "contiguous gradient bucket")
 
@@ -87,8 +90,21 @@ class Zero12Lowering:
         b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
         # keep this rank's share: copy (stage 0: all of it) into the fp32 gradient
         keep = elems if self.stage == 0 else ceil(elems / self.W)
-        b.compute(s, f"{label}.keep_partition", O.ComputeKind.ELEMENTWISE, keep, keep * self.dt + keep * 4, keep * 4,
-                  buffers=bufs + ("grad32",))
+        if self.offload:
+            # this rank's share, as fp32 (.float() on the device, with its norm), copied
+            # without blocking into the host's fp32 gradient (stage_1_and_2.py
+            # async_inplace_copy_grad_to_fp32_buffer_from_gpu); under accumulation every
+            # micro-batch's share goes to the host this way
+            tmp = f"{label}.fp32"
+            b.alloc(tmp, keep * 4, s, f"{label} fp32 share for the host")
+            b.compute(s, f"{label}.keep_partition", O.ComputeKind.ELEMENTWISE, 3 * keep, keep * self.dt, keep * 4,
+                      buffers=bufs + (tmp,))
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            b.copy(s, f"{label}.offload_grad_d2h", O.CopyDirection.D2H, keep * 4, buffers=(tmp,))
+            b.free(tmp, s, f"{label} fp32 share for the host")
+        else:
+            b.compute(s, f"{label}.keep_partition", O.ComputeKind.ELEMENTWISE, keep, keep * self.dt + keep * 4,
+                      keep * 4, buffers=bufs + ("grad32",))
         if flat is not None:
             b.free(flat, s, f"{label} flattened bucket")
         if self.stage == 2:  # the full gradients are dropped once reduced
@@ -161,20 +177,34 @@ class Zero12Lowering:
         if self.stage in (1, 2):
             b.reduce_to_host("optimizer.overflow_allreduce", 1, O.DType.UINT8, self.group, O.ReduceOp.MAX,
                              c.collective_launch_ns, "overflow .item()")
-            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.compute(COMPUTE, "optimizer.grad_norm", O.ComputeKind.ELEMENTWISE, 2 * n, n * 4, 4, buffers=("grad32",))
+            if not self.offload:  # offloaded, the norms were taken as the shares left the device
+                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                b.compute(COMPUTE, "optimizer.grad_norm", O.ComputeKind.ELEMENTWISE, 2 * n, n * 4, 4,
+                          buffers=("grad32",))
             b.reduce_to_host("optimizer.grad_norm_allreduce", 4, O.DType.FP32, self.group, O.ReduceOp.SUM,
                              c.collective_launch_ns, "global gradient norm")
+        if self.offload:
+            # CPU Adam on the host's fp32 partition, then the 16-bit partition copied to
+            # the device (copy_ without non_blocking: the host waits)
+            b.host("cpu adam", O.HostKind.OPTIMIZER, n * c.cpu_adam_ps_per_param // 1000)
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            cp = b.copy(COMPUTE, "optimizer.params_h2d", O.CopyDirection.H2D, n * self.dt, buffers=("params16",))
+            b.sync_ops((cp,), "copy of the updated partition to the device")
+        else:
+            self._adam(n)
+        if self.stage in (1, 2):
+            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            b.collective(COMPUTE, "optimizer.allgather_params", O.CollectiveKind.ALL_GATHER,
+                         self.padded_total * self.dt, self.dtype, self.group, buffers=("params16",))
+
+    def _adam(self, n: int) -> None:
+        b, c = self.b, self.costs
         b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
         b.compute(COMPUTE, "optimizer.adam", O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n,
                   buffers=("fp32", "exp_avg", "exp_avg_sq", "grad32"))
         b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
         b.compute(COMPUTE, "optimizer.copy_back", O.ComputeKind.ELEMENTWISE, n, 4 * n, self.dt * n,
                   buffers=("fp32", "params16"))
-        if self.stage in (1, 2):
-            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            b.collective(COMPUTE, "optimizer.allgather_params", O.CollectiveKind.ALL_GATHER,
-                         self.padded_total * self.dt, self.dtype, self.group, buffers=("params16",))
 
     def program(self):
         self._setup()

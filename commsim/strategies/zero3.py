@@ -38,6 +38,7 @@ from commsim.ir.errors import CommsimInputError
 from commsim.models.spec import Kernel, ModelDescription, ModuleSpec, ParamSpec
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import DeepSpeedConfig
+from commsim.strategies.groups import check_hierarchy, rank_groups
 from commsim.strategies.knobs import HostCosts, Knobs
 
 COMPUTE = "compute"
@@ -152,15 +153,23 @@ class Zero3Lowering:
     """One rank's program (all ranks are symmetric in plain ZeRO-3)."""
 
     def __init__(self, md: ModelDescription, world_size: int, ds: DeepSpeedConfig, knobs: Knobs,
-                 costs: HostCosts, checkpointing: bool, grad_accum: int, checkpoint_style: str = "reentrant"):
+                 costs: HostCosts, checkpointing: bool, grad_accum: int, checkpoint_style: str = "reentrant",
+                 gpus_per_node: int | None = None):
         z = ds.zero
-        if z.offload_param.device != "none" or z.offload_optimizer.device != "none":
-            raise CommsimInputError("ds_config: zero_optimization.offload_*: CPU/NVMe offload is not modelled yet")
-        if z.zero_hpz_partition_size > 1 or z.mics_shard_size > 0:
-            raise CommsimInputError("ds_config: zero_optimization: hpZ / MiCS hierarchical partitioning is not modelled yet")
+        if z.offload_param.device != "none" or z.offload_optimizer.device not in ("none", "cpu"):
+            raise CommsimInputError("ds_config: zero_optimization: only offload_optimizer to cpu is modelled")
+        gpn = gpus_per_node or world_size
+        self.hpz = z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else 1
+        check_hierarchy(world_size, gpn, self.hpz, z.mics_shard_size)
         self.md, self.W, self.ds, self.z, self.knobs, self.costs = md, world_size, ds, z, knobs, costs
         self.checkpointing, self.grad_accum = checkpointing, grad_accum
-        self.group = tuple(range(world_size))
+        self.groups_of = lambda r: rank_groups(r, world_size, gpn, self.hpz, z.mics_shard_size,
+                                               z.mics_hierarchical_params_gather)
+        self.groups = self.groups_of(0)
+        self.group = self.groups.world  # gradient norm, overflow
+        self.pgroup = self.groups.partition  # parameter shards (world, or a MiCS shard group)
+        self.n_part = len(self.pgroup)
+        self.offload = z.offload_optimizer.device == "cpu"
         self.dt = ds.param_dtype_bytes
         self.dtype = {"bf16": O.DType.BF16, "fp16": O.DType.FP16, "fp32": O.DType.FP32}[ds.precision]
         self.ag_stream = "allgather" if z.overlap_comm else COMPUTE
@@ -168,7 +177,7 @@ class Zero3Lowering:
         self.b = ProgramBuilder()
         self.params = md.registered_params()  # ds_id / named_parameters order
         self.ds_id = {p.name: i for i, p in enumerate(self.params)}
-        self.part = {p.name: ceil(p.numel / world_size) for p in self.params}
+        self.part = {p.name: ceil(p.numel / self.n_part) for p in self.params}
         self.persistent = self._persistent()
         self.trace = module_trace(md, checkpointing, checkpoint_style)
         self.n_ag = 0
@@ -176,7 +185,7 @@ class Zero3Lowering:
 
     # ------------------------------------------------------------ setup
     def _persistent(self) -> set[str]:
-        thr, budget = self.z.param_persistence_threshold, self.z.model_persistence_threshold // self.W
+        thr, budget = self.z.param_persistence_threshold, self.z.model_persistence_threshold // self.n_part
         out, used = set(), 0
         for p in self.params:
             if p.numel <= thr and used + p.numel <= budget:
@@ -201,6 +210,9 @@ class Zero3Lowering:
         for g, params in enumerate(self.sub_groups()):
             n = sum(self.part[p.name] for p in params)
             b.setup_alloc(f"flat16[{g}]", n * self.dt, f"16-bit parameter partition, sub-group {g}")
+            if self.offload:  # fp32 master, Adam state and fp32 gradients live in host memory
+                b.setup_alloc(f"grad16[{g}]", n * self.dt, f"16-bit gradient partition, sub-group {g}")
+                continue
             for state in ("fp32", "exp_avg", "exp_avg_sq", "grad32"):
                 b.setup_alloc(f"{state}[{g}]", n * 4, f"fp32 {state} partition, sub-group {g}")
         if self.z.contiguous_gradients:
@@ -210,7 +222,7 @@ class Zero3Lowering:
             b.setup_alloc("persistent", sum(p.numel for p in pers) * self.dt, "persistent parameters (contiguous)")
         else:
             for p in pers:
-                b.setup_alloc(self._pbuf(p), self.part[p.name] * self.W * self.dt, f"persistent {p.name}")
+                b.setup_alloc(self._pbuf(p), self.part[p.name] * self.n_part * self.dt, f"persistent {p.name}")
 
     def _pbuf(self, p: ParamSpec) -> str:
         if p.name in self.persistent and self.knobs.defragment_persistent:
@@ -223,20 +235,26 @@ class Zero3Lowering:
         if not params:
             return
         self.n_available += sum(p.numel for p in params)
-        batches = [params] if self.knobs.coalesced_collectives else [[p] for p in params]
-        for batch in batches:
-            self._all_gather_call(batch, why)
+        # hpZ: parameters with a secondary copy gather inside its group, first
+        # (partitioned_param_coordinator.__all_gather_params_); the others over the partition group.
+        sec = [p for p in params if p.name in self.secondary]
+        for part in (sec, [p for p in params if p.name not in self.secondary]):
+            if not part:
+                continue
+            batches = [part] if self.knobs.coalesced_collectives else [[p] for p in part]
+            for batch in batches:
+                self._all_gather_call(batch, why, secondary=part is sec)
 
-    def _all_gather_call(self, batch: list[ParamSpec], why: str) -> None:
+    def _all_gather_call(self, batch: list[ParamSpec], why: str, secondary: bool = False) -> None:
         b, c, s = self.b, self.costs, self.ag_stream
         self.n_ag += 1
         k = self.n_ag
         shard = sum(self.part[p.name] for p in batch)
-        out_bytes = shard * self.W * self.dt
+        out_bytes = shard * self.n_part * self.dt
         for p in batch:
             if self._pbuf(p) == "persistent":
                 continue
-            size = self.part[p.name] * self.W * self.dt  # storage of the padded full parameter
+            size = self.part[p.name] * self.n_part * self.dt  # storage of the padded full parameter
             b.alloc(self._pbuf(p), size, s, f"gathered {p.name}")
         names = tuple(dict.fromkeys(self._pbuf(p) for p in batch))
         flat = None
@@ -251,9 +269,27 @@ class Zero3Lowering:
             tmp = f"agtmp[{k}]"
             b.alloc(tmp, out_bytes, s, f"all-gather flatten buffer {k}")
             target = (tmp,)
-        b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-        b.collective(s, f"{self.phase}.ag{k}.{why}:{batch[0].name}" + (f"+{len(batch) - 1}" if len(batch) > 1 else ""),
-                     O.CollectiveKind.ALL_GATHER, out_bytes, self.dtype, self.group, buffers=target)
+        label = f"{self.phase}.ag{k}.{why}:{batch[0].name}" + (f"+{len(batch) - 1}" if len(batch) > 1 else "")
+        g = self.groups
+        if secondary:
+            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            b.collective(s, label + ".hpz", O.CollectiveKind.ALL_GATHER, out_bytes, self.dtype, g.secondary,
+                         buffers=target)
+        elif g.inter is not None:
+            # MiCS hierarchical: across nodes (same local rank) into a staging buffer,
+            # then inside the node
+            stage = f"aghier[{k}]"
+            mid = out_bytes // len(g.intra)
+            b.alloc(stage, mid, s, f"hierarchical all-gather staging {k}")
+            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            b.collective(s, label + ".inter", O.CollectiveKind.ALL_GATHER, mid, self.dtype, g.inter, buffers=(stage,))
+            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            b.collective(s, label + ".intra", O.CollectiveKind.ALL_GATHER, out_bytes, self.dtype, g.intra,
+                         buffers=(stage,) + target)
+            b.free(stage, s, f"hierarchical all-gather staging {k}")
+        else:
+            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            b.collective(s, label, O.CollectiveKind.ALL_GATHER, out_bytes, self.dtype, self.pgroup, buffers=target)
         if tmp:
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.copy(s, f"ag{k}.unflatten_list", O.CopyDirection.D2D, out_bytes, buffers=(tmp,) + ((flat,) if flat else names))
@@ -352,6 +388,16 @@ class Zero3Lowering:
                 self._free_param(p)
 
     def _free_param(self, p: ParamSpec) -> None:
+        if self.hpz > 1 and p.name not in self.secondary:
+            # hpZ: partitioning an available parameter keeps a secondary shard of it,
+            # 1/h of the padded parameter, until the optimizer step invalidates it
+            # (partition_parameters._partition_param_sec)
+            size = self.part[p.name] * self.n_part // self.hpz * self.dt
+            self.b.alloc(f"sec:{p.name}", size, COMPUTE, f"hpZ secondary shard of {p.name}")
+            self.b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
+            self.b.copy(COMPUTE, f"hpz.secondary:{p.name}", O.CopyDirection.D2D, size,
+                        buffers=(self._pbuf(p), f"sec:{p.name}"))
+            self.secondary.add(p.name)
         self.status[p.name] = NA
         self.n_available -= p.numel
         if self._pbuf(p) != "persistent":
@@ -448,10 +494,10 @@ class Zero3Lowering:
             self.n_rs += 1
             k = self.n_rs
             shard = sum(self.part[p.name] for p in batch)
-            size = shard * self.W * self.dt
+            size = shard * self.n_part * self.dt
             inp = srcs
             to_free: list[str] = []
-            if not (len(batch) == 1 and batch[0].numel % self.W == 0):
+            if not (len(batch) == 1 and batch[0].numel % self.n_part == 0):
                 buf = f"rsflat[{k}]"
                 b.alloc(buf, size, s, f"interleaved reduce-scatter input {k}")
                 b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
@@ -469,14 +515,45 @@ class Zero3Lowering:
                 to_free.append(tmp)
             b.host("reduce_scatter launch", O.HostKind.LAUNCH, c.collective_launch_ns)
             b.collective(s, f"bwd.rs{k}:{batch[0].name}" + (f"+{len(batch) - 1}" if len(batch) > 1 else ""),
-                         O.CollectiveKind.REDUCE_SCATTER, size, self.dtype, self.group, reduce_op=O.ReduceOp.SUM,
+                         O.CollectiveKind.REDUCE_SCATTER, size, self.dtype, self.pgroup, reduce_op=O.ReduceOp.SUM,
                          deps=wait, buffers=inp)
             wait = ()
+            if self.groups.replica is not None and self.last_micro:
+                # MiCS: the shard's gradients, concatenated, all-reduced across the
+                # replicas at the accumulation boundary (mics.py allreduce_mics_shard_grads)
+                cat = f"micsar[{k}]"
+                b.alloc(cat, shard * self.dt, s, f"MiCS replica all-reduce buffer {k}")
+                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                b.copy(s, f"rs{k}.mics_cat", O.CopyDirection.D2D, shard * self.dt, buffers=inp + (cat,))
+                b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+                b.collective(s, f"bwd.rs{k}.replica_allreduce", O.CollectiveKind.ALL_REDUCE, shard * self.dt,
+                             self.dtype, self.groups.replica, reduce_op=O.ReduceOp.SUM, buffers=(cat,))
+                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                b.copy(s, f"rs{k}.mics_copy_back", O.CopyDirection.D2D, shard * self.dt, buffers=(cat,) + inp)
+                b.free(cat, s, f"MiCS replica all-reduce buffer {k}")
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.compute(s, f"rs{k}.partition_grads", O.ComputeKind.ELEMENTWISE, shard, shard * self.dt + shard * 4,
-                      shard * 4, buffers=inp + ("grad32[0]",))
+            if not self.offload:
+                b.compute(s, f"rs{k}.partition_grads", O.ComputeKind.ELEMENTWISE, shard, shard * self.dt + shard * 4,
+                          shard * 4, buffers=inp + ("grad32[0]",))
+            else:
+                b.compute(s, f"rs{k}.partition_grads", O.ComputeKind.ELEMENTWISE, shard, 2 * shard * self.dt,
+                          shard * self.dt, buffers=inp + ("grad16[0]",))
             for buf_name in to_free:
                 b.free(buf_name, s, "reduce-scatter buffer")
+            if not self.offload:
+                continue
+            if self.last_micro:
+                # offload at the boundary: per-parameter norm, .to(fp32) on the device,
+                # then a non-blocking copy into the host's fp32 gradient
+                # (stage3._offload_grad_partition_at_boundary)
+                tmp = f"grad32tmp[{k}]"
+                b.alloc(tmp, shard * 4, s, f"fp32 gradient partition for the host {k}")
+                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                b.compute(s, f"rs{k}.offload_norm_and_cast", O.ComputeKind.ELEMENTWISE, 3 * shard,
+                          2 * shard * self.dt, shard * 4, buffers=("grad16[0]", tmp))
+                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                b.copy(s, f"rs{k}.offload_grad_d2h", O.CopyDirection.D2H, shard * 4, buffers=(tmp,))
+                b.free(tmp, s, f"fp32 gradient partition for the host {k}")
         if not self.z.contiguous_gradients:
             for p in params:
                 b.free(f"grad:{p.name}", COMPUTE, f"gradient {p.name} (reduced)")
@@ -493,12 +570,15 @@ class Zero3Lowering:
             if self.status[p.name] == AVAILABLE:
                 self._free_param(p)
         total = sum(self.part.values())
+        grads = "grad16[0]" if self.offload else "grad32[0]"
         if self.ds.precision == "fp16":
             k = b.compute(COMPUTE, "optimizer.overflow_check", O.ComputeKind.ELEMENTWISE, total, total * 4, 4,
-                          buffers=("grad32[0]",))
+                          buffers=(grads,))
             b.reduce_to_host("optimizer.overflow_allreduce", 4, O.DType.FP32, self.group, O.ReduceOp.MAX, 0,
                              "overflow .item()", deps=(k,))
-        if self.knobs.fused_grad_norm:
+        if self.offload:
+            pass  # the per-parameter norms were taken as the gradients left for the host
+        elif self.knobs.fused_grad_norm:
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.compute(COMPUTE, "optimizer.grad_norm", O.ComputeKind.ELEMENTWISE, 2 * total, total * 4, 8,
                       buffers=("grad32[0]",))
@@ -513,6 +593,17 @@ class Zero3Lowering:
                          c.collective_launch_ns, "global gradient norm")
         for g, params in enumerate(self.sub_groups()):
             n = sum(self.part[p.name] for p in params)
+            if self.offload:
+                # CPU Adam on the host's fp32 partition (DeepSpeedCPUAdam, synchronous on
+                # the host thread), then the 16-bit partition copied back to the device;
+                # copy_ without non_blocking, so the host waits for it
+                # (stage3._optimizer_step, _reassign_or_swap_out_partitioned_parameters)
+                b.host(f"cpu adam [{g}]", O.HostKind.OPTIMIZER, n * c.cpu_adam_ps_per_param // 1000)
+                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                cp = b.copy(COMPUTE, f"optimizer.params_h2d[{g}]", O.CopyDirection.H2D, n * self.dt,
+                            buffers=(f"flat16[{g}]",))
+                b.sync_ops((cp,), "copy of the updated partition to the device")
+                continue
             bufs = (f"fp32[{g}]", f"exp_avg[{g}]", f"exp_avg_sq[{g}]", f"grad32[{g}]")
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.compute(COMPUTE, f"optimizer.unscale_clip[{g}]", O.ComputeKind.ELEMENTWISE, n, n * 4, n * 4,
@@ -534,12 +625,16 @@ class Zero3Lowering:
                 self.handle.pop(p.name)
                 self.status[p.name] = AVAILABLE
             b.sync_stream(self.ag_stream, "synchronous gather of persistent parameters")
+        for name in sorted(self.secondary, key=lambda n: self.ds_id[n]):  # invalidate_secondary_tensor
+            b.free(f"sec:{name}", COMPUTE, f"hpZ secondary shard of {name} (invalidated after the step)")
+        self.secondary.clear()
 
     # ------------------------------------------------------------ driver
     def program(self):
         self._emit_setup()
         self.by_name = {p.name: p for p in self.params}
         self.status = {p.name: (AVAILABLE if p.name in self.persistent else NA) for p in self.params}
+        self.secondary: set[str] = set()  # hpZ: parameters holding a secondary shard
         self.handle: dict[str, _Handle] = {}
         self.fetch_events: list[O.OpId] = []
         self.reduce_events: list[O.OpId] = []
@@ -549,6 +644,7 @@ class Zero3Lowering:
                 self.block_first.setdefault(m.block, m.path)
         for micro in range(self.grad_accum):
             mb = f"mb{micro}." if self.grad_accum > 1 else ""
+            self.last_micro = micro == self.grad_accum - 1
             # reset_step: queue from the recorded trace, nothing counted available.
             self.queue = deque((p.name, i) for i, e in enumerate(self.trace) if e.fetch
                                for p in sorted({q.name: q for q in e.module.params}.values(),
