@@ -3,6 +3,8 @@
 from math import ceil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from commsim.hardware.specs import cluster_preset
 from commsim.hardware.costs import SpecCostModel
@@ -177,3 +179,25 @@ def test_hierarchy_and_offload_config_errors():
         "ds_config: zero_optimization.mics_shard_size: MiCS was removed in DeepSpeed 0.19.8, which refuses the "
         "key; commsim models MiCS as DeepSpeed 0.9-0.18 ran it",
     )
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 3), st.sampled_from([1, 2, 4]), st.data(), st.booleans(), st.booleans())
+def test_hierarchical_schedules_are_valid_and_reduce_each_gradient_once(nodes, gpn, data, mics, offload):
+    world = nodes * gpn
+    divisors = [d for d in range(2, world + 1) if world % d == 0 and (d <= gpn or d % gpn == 0)]
+    zero = {"reduce_bucket_size": data.draw(st.integers(1000, 50000)), **NOTHING_LIVE}
+    size = data.draw(st.sampled_from(divisors)) if divisors else 1
+    if size > 1:
+        zero["mics_shard_size" if mics else "zero_hpz_partition_size"] = size
+        if mics:
+            zero["mics_hierarchical_params_gather"] = data.draw(st.booleans())
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    s = gen(World(nodes, gpn), **zero)
+    assert validate(s) == []
+    shard = size if (mics and size > 1) else world
+    for r in range(world):
+        rs = colls(s.program_of(r), O.CollectiveKind.REDUCE_SCATTER)
+        assert sum(op.size_bytes for op in rs) == sum(shard * ceil(p.numel / shard) * 2 for p in MD.registered_params())
+        assert all(r in op.group and len(op.group) == shard for op in rs)
