@@ -211,6 +211,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         from commsim.report.plots import timeline_png
 
         timeline_png(pred.result, args.plot, title=pred.title)
+    if args.plot_memory:
+        from commsim.report.plots import memory, save_png
+
+        save_png(memory(pred.result, title=pred.title, hbm_bytes=pred.hbm_bytes), args.plot_memory)
     if args.json:
         out = m.to_json()
         out["scenario"] = pred.scenario
@@ -258,6 +262,57 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     df = sweep(base, grid, jobs=args.jobs, output=args.output, progress=None if args.quiet else text_progress())
     errors = int((df["error"].fillna("") != "").sum()) if "error" in df else 0
     print(f"{args.output}: {len(df)} rows ({errors} with errors)")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from commsim.api import scenario_from_args
+    from commsim.tune import tune
+    from commsim.util.files import atomic_write_text
+
+    dims = [d for d in (args.search or "").split(",") if d] or None
+    base = scenario_from_args(args)
+    show = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    result = tune(base, dims, jobs=args.jobs, max_rounds=args.rounds, progress=show)
+    if not result.best.fits:
+        raise CommsimInputError("commsim tune: no configuration searched fits in memory; try more nodes, "
+                                "--search train_micro_batch_size_per_gpu,checkpointing, or a larger GPU")
+    atomic_write_text(args.output, json.dumps(result.ds_config, indent=2) + "\n")
+    if args.json:
+        print(json.dumps({"output": args.output, **result.to_json()}, indent=1, default=str))
+        return 0
+    print(f"{args.output}: written")
+    print(result.explain())
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from commsim.report.plots import save_png, scaling, stall_bars
+
+    try:
+        df = pd.read_csv(args.table)
+    except (OSError, ValueError) as e:
+        raise CommsimInputError(f"{args.table}: cannot read as a CSV table: {e}") from None
+
+    def columns(flag: str, raw: str | None) -> list[str]:
+        cols = [c for c in (raw or "").split(",") if c]
+        for c in cols:
+            if c not in df.columns:
+                raise CommsimInputError(f"{flag} {c}: not a column of {args.table}; columns: {', '.join(df.columns)}")
+        return cols
+
+    if args.kind == "scaling":
+        columns("--x", args.x)
+        columns("--y", args.y)
+        fig = scaling(df, args.x, args.y, columns("--hue", args.hue), args.title)
+    else:
+        if "step_time_s" not in df.columns:
+            raise CommsimInputError(f"{args.table}: no step_time_s column (is it a commsim sweep table?)")
+        fig = stall_bars(df, columns("--label", args.label), args.title)
+    save_png(fig, args.output)
+    print(f"{args.output}: {args.kind} plot of {len(df)} rows")
     return 0
 
 
@@ -503,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE",
                    help="write the predicted trace (commsim JSON; a name ending .chrome.json writes Chrome/Perfetto)")
     p.add_argument("--plot", metavar="PNG", help="write a timeline plot of the step")
+    p.add_argument("--plot-memory", metavar="PNG",
+                   help="write allocated / reserved memory over the step, allocator flushes marked")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("sweep", help="predict a grid of scenarios in parallel into a table (resumable)",
@@ -522,6 +579,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", default="sweep.csv", help="results CSV (default sweep.csv)")
     p.set_defaults(func=cmd_sweep, schedule=None)
+
+    p = sub.add_parser("tune", help="search DeepSpeed config knobs for the best predicted throughput that fits",
+                       description="Coordinate descent over DeepSpeed keys (bucket sizes, prefetch, max live "
+                       "parameters, reuse distance, persistence threshold, hpZ group size, micro-batch) and "
+                       "activation checkpointing, each point a full prediction; writes the winning ds_config.json "
+                       "and explains, change by change, why it wins.")
+    add_scenario_flags(p)
+    p.add_argument("--net", choices=("efa", "ib"), help="inter-node fabric (default: the cluster's own)")
+    p.add_argument("--hw-profile", metavar="FILE", help="measured hardware profile")
+    p.add_argument("--search", help="comma-separated dimensions to search (default: all that apply): "
+                   "reduce_bucket_size, stage3_prefetch_bucket_size, stage3_max_live_parameters, "
+                   "stage3_max_reuse_distance, stage3_param_persistence_threshold, zero_hpz_partition_size, "
+                   "train_micro_batch_size_per_gpu, checkpointing")
+    p.add_argument("--rounds", type=_positive_int, default=3, help="at most this many rounds (default 3)")
+    p.add_argument("--jobs", type=_positive_int, default=2, help="parallel workers (default 2)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("-o", "--output", default="ds_config.tuned.json", help="the config to write "
+                   "(default ds_config.tuned.json)")
+    p.set_defaults(func=cmd_tune, schedule=None, mode="auto", seed=0, jitter=None)
+
+    p = sub.add_parser("plot", help="plot a sweep table: scaling curves or stall bars",
+                       description="scaling: a metric against a column, one line per --hue group; stalls: "
+                       "each row's step time split into compute and compute-stream stalls by cause.")
+    p.add_argument("kind", choices=("scaling", "stalls"), help="what to draw")
+    p.add_argument("table", help="a commsim sweep CSV")
+    p.add_argument("--x", default="nodes", help="scaling: the x column (default nodes)")
+    p.add_argument("--y", default="model_tflops_per_gpu", help="scaling: the y column (default model_tflops_per_gpu)")
+    p.add_argument("--hue", help="scaling: comma-separated columns, one line per combination")
+    p.add_argument("--label", help="stalls: comma-separated columns naming each bar")
+    p.add_argument("--title", default="", help="plot title")
+    p.add_argument("-o", "--output", required=True, metavar="PNG", help="the PNG to write")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("execute", help="run a schedule for real through torch.distributed and measure it",
                        description="Run SCHEDULE on every rank (gloo on CPUs, NCCL with CUDA streams on GPUs): real "

@@ -117,20 +117,25 @@ def _kind(op: O.Op) -> str:
     return "other"
 
 
-def _host_window(blocks: list[HostBlock], a: int, b: int, out: dict[str, int]) -> None:
-    """Attribute [a, b] to the host's blocked reasons, the rest to 'host'."""
-    covered = 0
+def _host_window(blocks: list[HostBlock], a: int, b: int, out: list[tuple[int, int, str]]) -> None:
+    """[a, b] as intervals: the host's blocked reasons where it was blocked, 'host' elsewhere."""
+    cur = a
     for hb in blocks:
         lo, hi = max(a, hb.start_ns), min(b, hb.end_ns)
-        if hi > lo:
-            out[_HOST_REASON.get(hb.reason, "host")] += hi - lo
-            covered += hi - lo
-    out["host"] += max(0, (b - a) - covered)
+        if hi <= lo:
+            continue
+        if lo > cur:
+            out.append((cur, lo, "host"))
+        out.append((lo, hi, _HOST_REASON.get(hb.reason, "host")))
+        cur = max(cur, hi)
+    if b > cur:
+        out.append((cur, b, "host"))
 
 
-def stall_breakdown(records: list[OpRecord], host_blocks: list[HostBlock], step_ns: int) -> dict[str, int]:
-    """Idle time of the compute stream by cause; sums to step time minus compute busy time."""
-    out = {c: 0 for c in STALL_CAUSES}
+def stall_intervals(records: list[OpRecord], host_blocks: list[HostBlock], step_ns: int) -> list[tuple[int, int, str]]:
+    """When the compute stream did not compute, and why: (start, end, cause) in time
+    order, covering the step minus the compute stream's busy time."""
+    out: list[tuple[int, int, str]] = []
     by_id = {r.op.id: r for r in records}
     comp = sorted((r for r in records if r.stream == COMPUTE_STREAM), key=lambda r: r.start_ns)
     blocks = sorted(host_blocks, key=lambda h: h.start_ns)
@@ -139,7 +144,6 @@ def stall_breakdown(records: list[OpRecord], host_blocks: list[HostBlock], step_
         gap = r.start_ns - cursor
         if gap > 0:
             peers = min(gap, r.wait_peers_ns)
-            out["straggler"] += peers
             window_end = r.start_ns - peers
             # Before the op was issued, the host is to blame (or what blocked it);
             # after, the dependency that finished last.
@@ -150,15 +154,27 @@ def stall_breakdown(records: list[OpRecord], host_blocks: list[HostBlock], step_
                 dep = by_id.get(r.last_dep) if r.last_dep is not None else None
                 if dep is not None:
                     dpeers = min(window_end - host_end, dep.wait_peers_ns)
-                    out["straggler"] += dpeers
-                    out[_kind(dep.op)] += window_end - host_end - dpeers
+                    out.append((host_end, window_end - dpeers, _kind(dep.op)))
+                    if dpeers:
+                        out.append((window_end - dpeers, window_end, "straggler"))
                 else:
-                    out["other"] += window_end - host_end
-        if not isinstance(r.op, O.Compute):
-            out[_kind(r.op)] += r.end_ns - r.start_ns
+                    out.append((host_end, window_end, "other"))
+            if peers:
+                out.append((window_end, r.start_ns, "straggler"))
+        if not isinstance(r.op, O.Compute) and r.end_ns > r.start_ns:
+            # a collective or copy on the compute stream: it is what the stream waits on
+            out.append((max(r.start_ns, cursor), max(r.end_ns, cursor), _kind(r.op)))
         cursor = max(cursor, r.end_ns)
     if step_ns > cursor:
         _host_window(blocks, cursor, step_ns, out)
+    return [iv for iv in out if iv[1] > iv[0]]
+
+
+def stall_breakdown(records: list[OpRecord], host_blocks: list[HostBlock], step_ns: int) -> dict[str, int]:
+    """Idle time of the compute stream by cause; sums to step time minus compute busy time."""
+    out = {c: 0 for c in STALL_CAUSES}
+    for a, b, cause in stall_intervals(records, host_blocks, step_ns):
+        out[cause] += b - a
     return out
 
 
