@@ -213,6 +213,18 @@ class _RankSim:
         self.node = sim.cost.node_of(rank)
         self.jitter = sim.jitter
         self.finished_issuing = False
+        # A communication stream's copies and kernels (unflatten, interleave, partition)
+        # serve its collectives: a host waiting on them waits on that communication.
+        # (A stream running model kernels, GEMMs or attention, is a compute stream.)
+        self.stream_comm: dict[str, str] = {}
+        model_streams = set()
+        for op in self.program.step:
+            if isinstance(op, O.Collective):
+                self.stream_comm.setdefault(op.stream, _stall_kind(op))
+            elif isinstance(op, O.Compute) and op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION):
+                model_streams.add(op.stream)
+        for stream in model_streams:
+            self.stream_comm.pop(stream, None)
 
     # ------------------------------------------------------------ setup
     def run_setup(self) -> None:
@@ -386,7 +398,11 @@ class _RankSim:
             r = self.record_of.get(e.value) if e.ok else None
             if r is not None and (last is None or r.end_ns > last.end_ns):
                 last = r
-        return _stall_kind(last.op) if last is not None else "sync"
+        if last is None:
+            return "sync"
+        if not isinstance(last.op, O.Collective) and last.stream in self.stream_comm:
+            return self.stream_comm[last.stream]
+        return _stall_kind(last.op)
 
     def _malloc(self, op: O.Alloc):
         env, cost = self.env, self.sim.cost
