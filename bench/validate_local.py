@@ -19,6 +19,7 @@ Ends with one line: ``median |error| = X%  max |error| = Y%  rows = N``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -67,7 +68,17 @@ GRID = [
     Row("DS small z3 nothing live", "small", 2, {"stage": 3, "stage3_param_persistence_threshold": 0,
                                                  "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
         micro=2, runner="deepspeed"),
+    # Two ranks in separate network namespaces joined by a veth pair: rate-limited with tc
+    # (the local stand-in for EFA) or not (a fast fabric). Root only; skipped otherwise.
+    Row("small z3 opt slow link", "small", 2, {"stage": 3}, runner="slow-link"),
+    Row("small z3 baseline slow link", "small", 2, {"stage": 3}, preset="baseline", runner="slow-link"),
+    Row("small z2 slow link", "small", 2, {"stage": 2}, runner="slow-link"),
+    Row("small z3 opt fast link", "small", 2, {"stage": 3}, runner="fast-link"),
 ]
+# tc token-bucket rate of each emulated link (None: the veth pair unlimited). 1 Gbit/s
+# makes the small model's ZeRO-3 step communication-bound on this machine.
+LINK_RATE = {"slow-link": "1gbit", "fast-link": None}
+NS_ADDR = ("10.77.0.1", "10.77.0.2")
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: int = 1800) -> str:
@@ -102,47 +113,113 @@ def measure_deepspeed(row: Row, cfg_path: Path, work: Path, steps: int) -> float
     return statistics.median(times)
 
 
+class LinkedNamespaces:
+    """Two network namespaces joined by a veth pair, optionally rate-limited both ways
+    with a tc token bucket; removed again on exit (``ip netns del`` takes the veth)."""
+
+    def __init__(self, tag: str, rate: str | None):
+        self.ns = (f"commsim-{tag}0", f"commsim-{tag}1")
+        self.dev = (f"cs{tag[:6]}0", f"cs{tag[:6]}1")
+        self.rate = rate
+
+    def __enter__(self) -> "LinkedNamespaces":
+        self._cleanup()
+        sh = lambda *c: run(list(c))  # noqa: E731
+        for ns in self.ns:
+            sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+        for ns, dev, addr in zip(self.ns, self.dev, NS_ADDR):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.rate:
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                   "burst", "256kb", "latency", "100ms")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def run_ranks(self, args: list[str], timeout: int = 1800) -> None:
+        """``commsim ARGS`` as rank 0 and rank 1, one per namespace (env:// rendezvous)."""
+        port = str(29700 + os.getpid() % 200)
+        procs = []
+        for rank, (ns, dev) in enumerate(zip(self.ns, self.dev)):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=NS_ADDR[0],
+                       MASTER_PORT=port, GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "commsim.cli", *args],
+                                          env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        for rank, (p, (o, e)) in enumerate(zip(procs, outs)):
+            if p.returncode != 0:
+                raise RuntimeError(f"rank {rank} of commsim {' '.join(args)} failed:\n{o[-1500:]}\n{e[-2500:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 rows (no 4-rank or DeepSpeed rows), 2 measured steps")
     ap.add_argument("--traces", help="copy each row's measured trace into this folder")
     ap.add_argument("--skip-deepspeed", action="store_true")
+    ap.add_argument("--only", help="comma-separated runners to keep: executor, deepspeed, slow-link, fast-link")
     args = ap.parse_args()
     rows = [r for r in GRID if not (args.quick and (r.ranks > 2 or r.runner == "deepspeed"))]
     if args.skip_deepspeed:
         rows = [r for r in rows if r.runner != "deepspeed"]
+    if args.only:
+        rows = [r for r in rows if r.runner in args.only.split(",")]
+    if os.geteuid() != 0 and any(r.runner in LINK_RATE for r in rows):
+        print("not root: the slow-link / fast-link rows (network namespaces) are skipped", flush=True)
+        rows = [r for r in rows if r.runner not in LINK_RATE]
     steps = 2 if args.quick else 3
     work = Path(tempfile.mkdtemp(prefix="commsim-validate-"))
     profiles: dict[int, Path] = {}
     t0 = time.time()
-    for ranks in sorted({r.ranks for r in rows}):
+    for ranks in sorted({r.ranks for r in rows if r.runner not in LINK_RATE}):
         profiles[ranks] = work / f"profile{ranks}.json"
         extra = ["--deepspeed-host-costs"] if any(r.runner == "deepspeed" and r.ranks == ranks for r in rows) else []
         print(f"calibrating {ranks} ranks ...", flush=True)
         commsim("calibrate", "--nproc-per-node", str(ranks), "-o", str(profiles[ranks]), *extra)
+    links: dict[str, LinkedNamespaces] = {}
+    for kind in sorted({r.runner for r in rows if r.runner in LINK_RATE}):
+        links[kind] = LinkedNamespaces(kind.split("-")[0], LINK_RATE[kind]).__enter__()
+        atexit.register(links[kind].__exit__, None, None, None)  # namespaces go even if a row fails
+        print(f"calibrating 2 ranks over the {kind} ({LINK_RATE[kind] or 'unlimited'} veth) ...", flush=True)
+        profiles[kind] = work / f"profile-{kind}.json"
+        links[kind].run_ranks(["calibrate", "-o", str(profiles[kind])])
     results = []
     print(f"{'row':<28}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}", flush=True)
     for i, row in enumerate(rows):
         cfg_path = work / f"ds{i}.json"
         cfg_path.write_text(json.dumps(ds_config(row)))
+        profile = profiles[row.runner] if row.runner in LINK_RATE else profiles[row.ranks]
         sc = Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=str(cfg_path), seq=row.seq,
-                      preset=row.preset, hw_profile=str(profiles[row.ranks]))
+                      preset=row.preset, hw_profile=str(profile))
         schedule = build_schedule(sc)[0]
         sched_path = work / f"sched{i}.json"
         save_schedule(schedule, sched_path)
         pred = predict(sc).metrics.step_time_s
+        out = work / f"measured{i}.json"
         if row.runner == "deepspeed":
             meas = measure_deepspeed(row, cfg_path, work, steps)
+        elif row.runner in LINK_RATE:
+            links[row.runner].run_ranks(["execute", str(sched_path), "--steps", str(steps), "-o", str(out)])
+            meas = statistics.median(json.loads(out.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
         else:
-            out = work / f"measured{i}.json"
             meas = measure_executor(row, sched_path, out, steps)
+        if row.runner != "deepspeed":
             if args.traces:
                 dest = Path(args.traces)
                 dest.mkdir(parents=True, exist_ok=True)
                 from commsim.ir.trace import Trace
 
                 Trace.load(out).save(dest / (row.name.replace(" ", "_") + ".json.gz"))
-                shutil.copy(profiles[row.ranks], dest / f"profile-{row.ranks}ranks.json")
+                name = row.runner if row.runner in LINK_RATE else f"{row.ranks}ranks"
+                shutil.copy(profile, dest / f"profile-{name}.json")
         err = (pred - meas) / meas
         results.append((row, pred, meas, err))
         print(f"{row.name:<28}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}", flush=True)

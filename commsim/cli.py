@@ -367,6 +367,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     _need_torch("calibrate")
     from runtime.launch import calibrate_local
 
+    from runtime.executor import env_rank
+
+    found = env_rank()
+    if found is not None:  # one rank of a job someone else launched (torchrun, srun)
+        if args.deepspeed_host_costs:
+            raise CommsimInputError("--deepspeed-host-costs: run it without torchrun (it launches its own ranks)")
+        from runtime.launch import calibrate_env
+
+        calibrate_env(args.backend, args.output, quick=args.quick)
+        if found[0] == 0:
+            print(f"{args.output}: hardware profile of {found[1]} {args.backend} ranks (from the environment)")
+        return 0
     nproc = args.nproc_per_node
     calibrate_local(nproc, args.backend, args.output, quick=args.quick)
     if args.deepspeed_host_costs:

@@ -207,6 +207,35 @@ def _calibrate_rank(rank: int, world: int, port: int, backend: str, quick: bool,
         os._exit(1)
 
 
+def calibrate_env(backend: str, out: str, quick: bool = False) -> None:
+    """Calibrate as one rank of a job started by torchrun / srun (or by hand, e.g. ranks in
+    separate network namespaces): rank, world and rendezvous come from the environment
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 writes the profile."""
+    import json
+
+    from commsim.util.files import atomic_write_text
+    from runtime.calibrate import Calibrator
+    from runtime.executor import env_rank
+
+    found = env_rank()
+    assert found is not None, "calibrate_env needs RANK and WORLD_SIZE in the environment"
+    rank, world, local = found
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    sys.setswitchinterval(0.0002)
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        profile = Calibrator(rank, world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True)).run()
+        if rank == 0:
+            atomic_write_text(out, json.dumps(profile, indent=1))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def calibrate_local(nproc: int, backend: str, out: str, quick: bool = False, wall_timeout_s: float = 900) -> None:
     ctx = mp.get_context("spawn")
     port = _free_port()
