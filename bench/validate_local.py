@@ -96,8 +96,18 @@ def ds_config(row: Row) -> dict:
     return {"train_micro_batch_size_per_gpu": row.micro, "zero_optimization": row.zero}
 
 
+# Steady state only. The executor's first measured step after a single warm-up step ran
+# 10-25% slower than the next ones on this machine (first-touch page faults of freshly
+# allocated buffers), so two warm-up steps. Real DeepSpeed records its module trace in
+# steps 0-1 and allocates the optimizer state lazily in its first step(); its recorded
+# step times settle from step 3 on (e.g. ZeRO-2, small: 1.80 1.61 1.56 1.26 1.27 s).
+EXECUTOR_WARMUP = 2
+DEEPSPEED_WARMUP = 3
+
+
 def measure_executor(row: Row, sched_path: Path, out: Path, steps: int) -> float:
-    commsim("execute", str(sched_path), "--nproc-per-node", str(row.ranks), "--steps", str(steps), "-o", str(out))
+    commsim("execute", str(sched_path), "--nproc-per-node", str(row.ranks), "--steps", str(steps),
+            "--warmup", str(EXECUTOR_WARMUP), "-o", str(out))
     meta = json.loads(out.read_text())["meta"]["extra"]
     return statistics.median(meta["step_times_ns"]) / 1e9
 
@@ -108,8 +118,8 @@ def measure_deepspeed(row: Row, cfg_path: Path, work: Path, steps: int) -> float
     timings = work / "ds_times.json"
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks),
          "-m", "runtime.examples.ds_train", "--model", row.model, "--seq", str(row.seq), "--ds-config", str(cfg_path),
-         "--steps", str(steps + 2), "--timings", str(timings)], env=env)
-    times = json.loads(timings.read_text())["step_times_s"][2:]  # steps 0-1: DeepSpeed records its trace
+         "--steps", str(steps + DEEPSPEED_WARMUP), "--timings", str(timings)], env=env)
+    times = json.loads(timings.read_text())["step_times_s"][DEEPSPEED_WARMUP:]
     return statistics.median(times)
 
 
@@ -207,7 +217,8 @@ def main() -> None:
         if row.runner == "deepspeed":
             meas = measure_deepspeed(row, cfg_path, work, steps)
         elif row.runner in LINK_RATE:
-            links[row.runner].run_ranks(["execute", str(sched_path), "--steps", str(steps), "-o", str(out)])
+            links[row.runner].run_ranks(["execute", str(sched_path), "--steps", str(steps),
+                                         "--warmup", str(EXECUTOR_WARMUP), "-o", str(out)])
             meas = statistics.median(json.loads(out.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
         else:
             meas = measure_executor(row, sched_path, out, steps)

@@ -81,13 +81,17 @@ def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
     return make_trace(meta, recs)
 
 
+def default_ds_config(stage: int | None = None) -> dict[str, Any]:
+    """The seed scenario's DeepSpeed config: ZeRO-3 (or ``stage``), bf16, DeepSpeed's own
+    AdamW (an optimizer section, so its fused implementation), defaults otherwise."""
+    return {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage or 3}}
+
+
 def _ds_config(sc: Scenario):
     from commsim.strategies.dsconfig import load_ds_config, parse_ds_config
 
     if sc.ds_config is None:
-        # The seed scenario's config: ZeRO-3, bf16, DeepSpeed's defaults otherwise.
-        return parse_ds_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": sc.stage or 3}},
-                               "default ds_config"), "default ds_config"
+        return parse_ds_config(default_ds_config(sc.stage), "default ds_config"), "default ds_config"
     if isinstance(sc.ds_config, dict):
         return parse_ds_config(sc.ds_config, "ds_config"), "ds_config"
     return load_ds_config(sc.ds_config), sc.ds_config

@@ -107,7 +107,9 @@ def scenario_for(base: Scenario, point: dict[str, Any]) -> Scenario:
 
 def _base_ds(base: Scenario) -> dict[str, Any]:
     if base.ds_config is None:
-        return {"bf16": {"enabled": True}, "zero_optimization": {"stage": base.stage or 3}}
+        from commsim.api import default_ds_config
+
+        return default_ds_config(base.stage)
     if isinstance(base.ds_config, dict):
         return json.loads(json.dumps(base.ds_config))
     from commsim.util.files import read_json

@@ -17,7 +17,8 @@ def test_grid_parsing_and_scenarios():
     assert grid == {"stage": [2, 3], "net": ["efa", "ib"], "knob.coalesced_collectives": [False],
                     "ds.reduce_bucket_size": [1000]}
     sc = scenario_for(BASE, {"stage": 2, "ds.reduce_bucket_size": 1000, "knob.coalesced_collectives": False})
-    assert sc.ds_config == {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}}
+    assert sc.ds_config == {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
+                            "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}}
     assert sc.knobs == ("coalesced_collectives=False",)
     with pytest.raises(CommsimInputError, match="colour is not a predict setting"):
         parse_grid(["colour=red"])

@@ -59,6 +59,7 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
             ("max_live_parameters", ds.zero.max_live_parameters),
             ("max_reuse_distance", ds.zero.max_reuse_distance),
             ("param_persistence_threshold", ds.zero.param_persistence_threshold),
+            ("optimizer", ds.optimizer_impl),
             ("offload_optimizer", ds.zero.offload_optimizer.device),
             ("zero_hpz_partition_size", ds.zero.zero_hpz_partition_size),
             ("mics_shard_size", ds.zero.mics_shard_size),

@@ -68,7 +68,7 @@ _ZERO_ALIASES = {alias: name for name, (aliases, _, _) in _ZERO_FIELDS.items() f
 
 # Top-level keys DeepSpeed knows that do not change the communication schedule.
 _KNOWN_UNUSED_TOP = {
-    "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+    "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
     "communication_data_type", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "amp",
     "flops_profiler", "comms_logger", "tensorboard", "wandb", "csv_monitor", "dump_state", "checkpoint",
     "data_types", "compression_training", "aio", "zero_force_ds_cpu_optimizer", "memory_breakdown",
@@ -79,7 +79,7 @@ _KNOWN_UNUSED_TOP = {
 # depend on them, and the config may be meant for an older DeepSpeed.
 _REMOVED_TOP = {"elasticity", "sparse_attention", "eigenvalue", "progressive_layer_drop", "curriculum_learning",
                 "graph_harvesting"}
-_USED_TOP = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "bfloat16", "fp16",
+_USED_TOP = {"optimizer", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "bfloat16", "fp16",
              "gradient_clipping", "zero_optimization", "activation_checkpointing"}
 
 
@@ -119,6 +119,9 @@ class DeepSpeedConfig:
     gradient_clipping: float = 0.0
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     activation_checkpointing: dict[str, Any] | None = None
+    # "fused": an optimizer section, so DeepSpeed's own fused Adam; "torch": none, so
+    # the script's client optimizer, taken to be torch.optim.AdamW (strategies/optimizer.py)
+    optimizer_impl: str = "fused"
     warnings: tuple[str, ...] = ()
 
     @property
@@ -238,6 +241,12 @@ def parse_ds_config(obj: Any, where: str = "ds_config") -> DeepSpeedConfig:
     clip = obj.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         raise _bad(where, "gradient_clipping", f"must be a number >= 0, got {clip!r}")
+    opt = obj.get("optimizer")
+    if opt is not None:
+        if not isinstance(opt, dict) or not isinstance(opt.get("type"), str):
+            raise _bad(where, "optimizer", "must be an object with a \"type\", like {\"type\": \"AdamW\"}")
+        if opt["type"].lower() not in ("adam", "adamw", "fusedadam", "cpuadam"):
+            warnings.append(f"{where}: optimizer.type: {opt['type']!r} is modelled with Adam's memory traffic")
     ac = obj.get("activation_checkpointing")
     if ac is not None and not isinstance(ac, dict):
         raise _bad(where, "activation_checkpointing", "must be an object")
@@ -249,6 +258,7 @@ def parse_ds_config(obj: Any, where: str = "ds_config") -> DeepSpeedConfig:
         gradient_clipping=float(clip),
         zero=parse_zero(obj.get("zero_optimization"), where),
         activation_checkpointing=ac,
+        optimizer_impl="fused" if opt is not None else "torch",
         warnings=tuple(warnings),
     )
 

@@ -29,6 +29,7 @@ from commsim.models.spec import ModelDescription, ParamSpec
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.knobs import HostCosts
+from commsim.strategies.optimizer import adam_step
 from commsim.strategies.zero3 import TraceEntry, module_trace
 
 COMPUTE = "compute"
@@ -199,9 +200,8 @@ class Zero12Lowering:
 
     def _adam(self, n: int) -> None:
         b, c = self.b, self.costs
-        b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-        b.compute(COMPUTE, "optimizer.adam", O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n,
-                  buffers=("fp32", "exp_avg", "exp_avg_sq", "grad32"))
+        adam_step(b, COMPUTE, "optimizer.adam", n, ("fp32", "exp_avg", "exp_avg_sq", "grad32"), self.ds.optimizer_impl,
+                  c.launch_ns)
         b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
         b.compute(COMPUTE, "optimizer.copy_back", O.ComputeKind.ELEMENTWISE, n, 4 * n, self.dt * n,
                   buffers=("fp32", "params16"))

@@ -40,6 +40,7 @@ from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.groups import check_hierarchy, rank_groups
 from commsim.strategies.knobs import HostCosts, Knobs
+from commsim.strategies.optimizer import adam_step
 
 COMPUTE = "compute"
 NA, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"
@@ -608,9 +609,7 @@ class Zero3Lowering:
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.compute(COMPUTE, f"optimizer.unscale_clip[{g}]", O.ComputeKind.ELEMENTWISE, n, n * 4, n * 4,
                       buffers=(f"grad32[{g}]",))
-            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            # Adam reads param, grad, exp_avg, exp_avg_sq (16 B) and writes three (12 B).
-            b.compute(COMPUTE, f"optimizer.adam[{g}]", O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n, buffers=bufs)
+            adam_step(b, COMPUTE, f"optimizer.adam[{g}]", n, bufs, self.ds.optimizer_impl, c.launch_ns)
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.compute(COMPUTE, f"optimizer.copy_back[{g}]", O.ComputeKind.ELEMENTWISE, n, 4 * n, self.dt * n,
                       buffers=(f"fp32[{g}]", f"flat16[{g}]"))

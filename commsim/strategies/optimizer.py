@@ -1,0 +1,61 @@
+"""An Adam(W) step on a flat fp32 partition, lowered to IR by implementation.
+
+Which implementation runs is in the DeepSpeed config: with an ``optimizer`` section
+DeepSpeed builds its own fused Adam (FusedAdam on GPUs, one kernel reading param, grad,
+exp_avg and exp_avg_sq, 16 B, and writing three, 12 B per element); without one the
+training script passes a client optimizer, which commsim takes to be PyTorch's AdamW.
+That one (torch/optim/adam.py ``_single_tensor_adam``; the ``foreach`` variant makes
+the same passes over lists) runs one elementwise pass per operation and allocates two
+temporaries for the denominator:
+
+    param.mul_(1 - lr * wd)               read 4, write 4
+    exp_avg.lerp_(grad, 1 - beta1)        read 8, write 4
+    exp_avg_sq.mul_(beta2)                read 4, write 4
+    exp_avg_sq.addcmul_(grad, grad, ...)  read 8, write 4
+    t1 = exp_avg_sq.sqrt()                read 4, write 4 (new tensor)
+    t2 = t1 / bias_correction2_sqrt       read 4, write 4 (new tensor)
+    t2.add_(eps)                          read 4, write 4
+    param.addcdiv_(exp_avg, t2, ...)      read 12, write 4
+
+80 B per element instead of 28, and 8 B per element of short-lived allocations.
+"""
+
+from __future__ import annotations
+
+from commsim.ir import ops as O
+from commsim.strategies.builder import ProgramBuilder
+
+IMPLEMENTATIONS = ("fused", "torch")
+
+# (label, flops per element, bytes read, bytes written, allocates the temporary t1/t2)
+_TORCH_PASSES = (
+    ("weight_decay", 1, 4, 4, None),
+    ("exp_avg_lerp", 2, 8, 4, None),
+    ("exp_avg_sq_mul", 1, 4, 4, None),
+    ("exp_avg_sq_addcmul", 2, 8, 4, None),
+    ("denom_sqrt", 1, 4, 4, "t1"),
+    ("denom_div", 1, 4, 4, "t2"),
+    ("denom_add_eps", 1, 4, 4, None),
+    ("param_addcdiv", 2, 12, 4, None),
+)
+
+
+def adam_step(b: ProgramBuilder, stream: str, label: str, n: int, state: tuple[str, ...], impl: str,
+              launch_ns: int) -> None:
+    """Adam over ``n`` fp32 elements whose param / exp_avg / exp_avg_sq / grad buffers are ``state``."""
+    assert impl in IMPLEMENTATIONS, impl
+    if impl == "fused":
+        b.host("launch", O.HostKind.LAUNCH, launch_ns)
+        b.compute(stream, label, O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n, buffers=state)
+        return
+    temps = {"t1": f"{label}.t1", "t2": f"{label}.t2"}
+    for name, flops, rd, wr, new in _TORCH_PASSES:
+        bufs = state
+        if new:
+            b.alloc(temps[new], 4 * n, stream, f"{label} {new} (torch AdamW temporary)")
+            bufs = state + (temps[new],)
+        b.host("launch", O.HostKind.LAUNCH, launch_ns)
+        b.compute(stream, f"{label}.{name}", O.ComputeKind.OPTIMIZER, flops * n, rd * n, wr * n, buffers=bufs)
+        if name == "denom_div":
+            b.free(temps["t1"], stream, f"{label} t1")
+    b.free(temps["t2"], stream, f"{label} t2")
