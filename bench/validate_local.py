@@ -4,7 +4,8 @@
     python bench/validate_local.py --quick         # 8 rows, shorter runs
     python bench/validate_local.py --traces traces # also keep the measured traces there
 
-Steps: ``commsim calibrate`` for 2 and for 4 local gloo ranks; then, for every row of
+Steps: ``commsim calibrate`` for 2 and for 4 local gloo ranks (timing, besides its
+generic benchmarks, the exact GEMM shapes of the rows: ``--schedule``); then, for every row of
 the grid, generate the schedule, predict it with the matching profile, run it for real
 with ``commsim execute`` and compare step times. Rows marked ``deepspeed`` run real
 DeepSpeed (DS_ACCELERATOR=cpu, gloo) on the same model and config instead of our
@@ -187,20 +188,31 @@ def main() -> None:
         rows = [r for r in rows if r.runner not in LINK_RATE]
     steps = 2 if args.quick else 3
     work = Path(tempfile.mkdtemp(prefix="commsim-validate-"))
-    profiles: dict[int, Path] = {}
+    profiles: dict = {}
     t0 = time.time()
+    # Each row's GEMM shapes, so calibration times the very kernels the rows will run
+    # (calibrate --schedule); host costs do not change shapes, so no profile is needed yet.
+    shape_files: dict = {}
+    for i, row in enumerate(rows):
+        sc = Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=ds_config(row), seq=row.seq,
+                      preset=row.preset)
+        path = work / f"shapes{i}.json"
+        save_schedule(build_schedule(sc)[0], path)
+        key = row.runner if row.runner in LINK_RATE else row.ranks
+        shape_files.setdefault(key, []).extend(["--schedule", str(path)])
     for ranks in sorted({r.ranks for r in rows if r.runner not in LINK_RATE}):
         profiles[ranks] = work / f"profile{ranks}.json"
         extra = ["--deepspeed-host-costs"] if any(r.runner == "deepspeed" and r.ranks == ranks for r in rows) else []
         print(f"calibrating {ranks} ranks ...", flush=True)
-        commsim("calibrate", "--nproc-per-node", str(ranks), "-o", str(profiles[ranks]), *extra)
+        commsim("calibrate", "--nproc-per-node", str(ranks), "-o", str(profiles[ranks]), *extra,
+                *shape_files.get(ranks, []))
     links: dict[str, LinkedNamespaces] = {}
     for kind in sorted({r.runner for r in rows if r.runner in LINK_RATE}):
         links[kind] = LinkedNamespaces(kind.split("-")[0], LINK_RATE[kind]).__enter__()
         atexit.register(links[kind].__exit__, None, None, None)  # namespaces go even if a row fails
         print(f"calibrating 2 ranks over the {kind} ({LINK_RATE[kind] or 'unlimited'} veth) ...", flush=True)
         profiles[kind] = work / f"profile-{kind}.json"
-        links[kind].run_ranks(["calibrate", "-o", str(profiles[kind])])
+        links[kind].run_ranks(["calibrate", "-o", str(profiles[kind]), *shape_files.get(kind, [])])
     results = []
     print(f"{'row':<28}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}", flush=True)
     for i, row in enumerate(rows):

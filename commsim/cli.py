@@ -363,24 +363,42 @@ def cmd_execute(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gemm_shapes(paths: list[str]) -> tuple[tuple[str, int, int, int, int], ...]:
+    """(dtype, m, n, k, batch) of every GEMM / attention matmul in these schedules."""
+    from commsim.ir import ops as O
+
+    out: dict[tuple, None] = {}
+    for path in paths:
+        schedule = load_schedule_any(path)
+        dtype = str(schedule.meta.knob("precision") or "fp32")
+        if dtype not in ("fp32", "bf16", "fp16"):
+            raise CommsimInputError(f"--schedule {path}: precision {dtype!r} in its meta; allowed: fp32, bf16, fp16")
+        for program in schedule.programs:
+            for op in program.step:
+                if isinstance(op, O.Compute) and op.gemm is not None:
+                    out[(dtype, op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch)] = None
+    return tuple(out)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     _need_torch("calibrate")
     from runtime.launch import calibrate_local
 
     from runtime.executor import env_rank
 
+    shapes = _gemm_shapes(args.schedule or [])
     found = env_rank()
     if found is not None:  # one rank of a job someone else launched (torchrun, srun)
         if args.deepspeed_host_costs:
             raise CommsimInputError("--deepspeed-host-costs: run it without torchrun (it launches its own ranks)")
         from runtime.launch import calibrate_env
 
-        calibrate_env(args.backend, args.output, quick=args.quick)
+        calibrate_env(args.backend, args.output, quick=args.quick, shapes=shapes)
         if found[0] == 0:
             print(f"{args.output}: hardware profile of {found[1]} {args.backend} ranks (from the environment)")
         return 0
     nproc = args.nproc_per_node
-    calibrate_local(nproc, args.backend, args.output, quick=args.quick)
+    calibrate_local(nproc, args.backend, args.output, quick=args.quick, shapes=shapes)
     if args.deepspeed_host_costs:
         from commsim.util.files import atomic_write_text
         from runtime.calibrate_ds import measure_host_costs
@@ -648,6 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=_positive_int, default=2, help="local ranks (default 2)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (GPU)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and shorter timings (tests)")
+    p.add_argument("--schedule", action="append", metavar="FILE",
+                   help="also time the exact GEMM shapes of this schedule, in its precision (repeatable); "
+                   "predictions of it then use them instead of a rate by flops")
     p.add_argument("--deepspeed-host-costs", action="store_true",
                    help="also measure real DeepSpeed's hook costs on this machine (runs it; needs deepspeed)")
     p.add_argument("-o", "--output", default="profile.json", help="profile file (default profile.json)")

@@ -73,8 +73,10 @@ def _latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]
 
 
 class Calibrator:
-    def __init__(self, rank: int, world: int, backend: str, quick: bool = False, log: Callable[[str], None] = print):
+    def __init__(self, rank: int, world: int, backend: str, quick: bool = False, log: Callable[[str], None] = print,
+                 shapes: tuple[tuple[str, int, int, int, int], ...] = ()):
         self.rank, self.world, self.backend = rank, world, backend
+        self.shapes = shapes  # (dtype, m, n, k, batch) of the GEMMs some schedules will run
         self.gpu = backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.gpu else torch.float32
@@ -135,6 +137,22 @@ class Calibrator:
         self.log(f"gemm {str(dtype).removeprefix('torch.')}: {points[0][1] / 1e9:.1f} .. "
                  f"{max(p[1] for p in points) / 1e9:.1f} GFLOP/s")
         return points
+
+    def gemm_shapes(self) -> dict[str, list[list[float]]]:
+        """The exact GEMM shapes of the schedules given (``calibrate --schedule``), each
+        timed on all ranks at once like every other benchmark: a rate by flops alone
+        misses how a shape uses caches (a 512 x 8000 x 512 LM head and a batched 768^3
+        have similar flops and ran at rates 2x apart on the development machine)."""
+        out: dict[str, list[list[float]]] = {}
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        for dt, m, n, k, batch in self.shapes:
+            kernels = _Kernels(self.device, dtypes[dt])
+            op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * m * n * k * batch, 0, 0, O.GemmShape(m, n, k, batch))
+            t = self._together(lambda op=op, kernels=kernels: kernels.run(op))
+            out.setdefault(dt, []).append([m, n, k, batch, op.flops / t])
+        if self.shapes:
+            self.log(f"gemm shapes: {len(self.shapes)} measured")
+        return out
 
     def memory(self) -> tuple[float, float, list[list[float]]]:
         """Memory-bound kernels: from in-cache sizes to main-memory ones (a table)."""
@@ -254,6 +272,7 @@ class Calibrator:
         t0 = time.perf_counter()
         gemm_by_dtype = {"fp32": self.gemm(torch.float32), "bf16": self.gemm(torch.bfloat16)}
         gemm = gemm_by_dtype["bf16" if self.gpu else "fp32"]
+        shapes = self.gemm_shapes()
         mem_a, mem_bw, mem_points = self.memory()
         colls = self.collectives()
         slow_c, slow_n = self.contention()
@@ -269,6 +288,8 @@ class Calibrator:
             "issue_ns": issue_ns,
             "gemm": gemm,
             "gemm_by_dtype": gemm_by_dtype,
+            "default_dtype": "bf16" if self.gpu else "fp32",
+            "gemm_shapes_by_dtype": shapes,
             "elementwise_bytes_per_s": mem_bw,
             "elementwise_points": mem_points,
             "copy": {"d2d_bytes_per_s": mem_bw / 2, "h2d_bytes_per_s": mem_bw / 2, "latency_ns": int(mem_a * 1e9)},

@@ -183,7 +183,8 @@ def launch_local(cfg: ExecConfig, nproc: int, wall_timeout_s: float | None = Non
     return Trace.load(cfg.output)
 
 
-def _calibrate_rank(rank: int, world: int, port: int, backend: str, quick: bool, out: str, err_dir: str) -> None:
+def _calibrate_rank(rank: int, world: int, port: int, backend: str, quick: bool, out: str, err_dir: str,
+                    shapes: tuple = ()) -> None:
     import json
 
     from commsim.util.files import atomic_write_text
@@ -197,7 +198,8 @@ def _calibrate_rank(rank: int, world: int, port: int, backend: str, quick: bool,
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
-        profile = Calibrator(rank, world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True)).run()
+        profile = Calibrator(rank, world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True),
+                             shapes=shapes).run()
         if rank == 0:
             atomic_write_text(out, json.dumps(profile, indent=1))
         dist.barrier()
@@ -207,7 +209,7 @@ def _calibrate_rank(rank: int, world: int, port: int, backend: str, quick: bool,
         os._exit(1)
 
 
-def calibrate_env(backend: str, out: str, quick: bool = False) -> None:
+def calibrate_env(backend: str, out: str, quick: bool = False, shapes: tuple = ()) -> None:
     """Calibrate as one rank of a job started by torchrun / srun (or by hand, e.g. ranks in
     separate network namespaces): rank, world and rendezvous come from the environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 writes the profile."""
@@ -228,7 +230,8 @@ def calibrate_env(backend: str, out: str, quick: bool = False) -> None:
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
-        profile = Calibrator(rank, world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True)).run()
+        profile = Calibrator(rank, world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True),
+                             shapes=shapes).run()
         if rank == 0:
             atomic_write_text(out, json.dumps(profile, indent=1))
         dist.barrier()
@@ -236,11 +239,12 @@ def calibrate_env(backend: str, out: str, quick: bool = False) -> None:
         dist.destroy_process_group()
 
 
-def calibrate_local(nproc: int, backend: str, out: str, quick: bool = False, wall_timeout_s: float = 900) -> None:
+def calibrate_local(nproc: int, backend: str, out: str, quick: bool = False, wall_timeout_s: float = 900,
+                    shapes: tuple = ()) -> None:
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="commsim-cal-") as err_dir:
-        procs = [ctx.Process(target=_calibrate_rank, args=(r, nproc, port, backend, quick, out, err_dir), daemon=True)
+        procs = [ctx.Process(target=_calibrate_rank, args=(r, nproc, port, backend, quick, out, err_dir, shapes), daemon=True)
                  for r in range(nproc)]
         for p in procs:
             p.start()

@@ -71,6 +71,8 @@ class HardwareProfile:
     hbm_bytes: int
     kernel_overhead_ns: int
     gemm: tuple[tuple[float, float], ...]  # for the schedule's precision when measured, else the default
+    # exact shapes measured (calibrate --schedule): (m, n, k, batch) -> flops/s, same precision
+    gemm_shapes: dict[tuple[int, int, int, int], float]
     elementwise_bytes_per_s: float
     elementwise_points: tuple[tuple[float, float], ...]  # measured (bytes, seconds) of memory-bound kernels
     d2d_bytes_per_s: float
@@ -100,7 +102,11 @@ class HardwareProfile:
         return f"profile: {self.description}"
 
     # ------------------------------------------------------------ CostModel
-    def _gemm_rate(self, flops: float) -> float:
+    def _gemm_rate(self, flops: float, shape: O.GemmShape | None = None) -> float:
+        if shape is not None:
+            rate = self.gemm_shapes.get((shape.m, shape.n, shape.k, shape.batch))
+            if rate is not None:  # this very kernel was measured
+                return rate
         xs = [math.log(f) for f, _ in self.gemm]
         x = math.log(max(flops, 1.0))
         i = bisect.bisect_left(xs, x)
@@ -123,7 +129,7 @@ class HardwareProfile:
 
     def compute_ns(self, op: O.Compute) -> int:
         mem_s = self._memory_s(op.bytes_read + op.bytes_written)
-        flop_s = op.flops / self._gemm_rate(op.flops) if op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION) \
+        flop_s = op.flops / self._gemm_rate(op.flops, op.gemm) if op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION) \
             else 0.0
         return self.kernel_overhead_ns + int(max(mem_s, flop_s) * 1e9)
 
@@ -184,6 +190,15 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
     key = {"fp16": "bf16"}.get(precision or "", precision or "")  # fp16 and bf16 run alike
     if isinstance(by_dtype, dict) and key in by_dtype:
         gemm_t = _gemm_points(by_dtype[key], f"{where}: field 'gemm_by_dtype.{key}'")
+    shapes: dict[tuple[int, int, int, int], float] = {}
+    table = obj.get("gemm_shapes_by_dtype", {})
+    if not isinstance(table, dict):
+        raise CommsimInputError(f"{where}: gemm_shapes_by_dtype must be an object of dtype: [[m, n, k, batch, flops_per_s]]")
+    dkey = key or str(obj.get("default_dtype", "fp32"))
+    for row in table.get(dkey, []):
+        if not (isinstance(row, list) and len(row) == 5 and all(isinstance(x, (int, float)) and x > 0 for x in row)):
+            raise CommsimInputError(f"{where}: gemm_shapes_by_dtype.{dkey}: rows are [m, n, k, batch, flops_per_s]")
+        shapes[(int(row[0]), int(row[1]), int(row[2]), int(row[3]))] = float(row[4])
     copy = obj.get("copy", {})
     alloc = obj.get("alloc", {})
     colls: dict[str, dict[int, CollectiveFit]] = {}
@@ -209,6 +224,7 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         hbm_bytes=int(_num(obj, "memory_bytes", where)),
         kernel_overhead_ns=int(_num(obj, "kernel_overhead_ns", where, positive=False)),
         gemm=gemm_t,
+        gemm_shapes=shapes,
         elementwise_bytes_per_s=_num(obj, "elementwise_bytes_per_s", where),
         elementwise_points=tuple(sorted((float(a), float(b)) for a, b in obj.get("elementwise_points", []))),
         d2d_bytes_per_s=_num(copy, "d2d_bytes_per_s", f"{where}: copy"),

@@ -207,6 +207,10 @@ def parse_zero(obj: Any, where: str) -> ZeroConfig:
         raise _bad(where, "zero_optimization.mics_shard_size", f"needs stage 3 (stage is {stage})")
     if zero.mics_shard_size == 0 or zero.mics_shard_size < -1:
         raise _bad(where, "zero_optimization.mics_shard_size", f"must be -1 (off) or >= 1, got {zero.mics_shard_size}")
+    if zero.mics_shard_size > 0 and zero.offload_optimizer.device != "none":
+        # mics.py allreduce_mics_shard_grads: "Local sharding has no support for CPU offloading"
+        raise _bad(where, "zero_optimization.mics_shard_size", "cannot be combined with offload_optimizer "
+                   "(DeepSpeed's MiCS has no CPU offload)")
     if zero.zero_hpz_partition_size > 1 and zero.mics_shard_size > 0:
         raise _bad(where, "zero_optimization.mics_shard_size", "cannot be combined with zero_hpz_partition_size")
     return zero

@@ -11,10 +11,10 @@ program. Hierarchical partitioning gives each rank its own groups:
 * **MiCS** (``mics_shard_size = S``): parameters are sharded over S consecutive ranks
   and replicated across the W/S shard groups; gradients are reduce-scattered inside the
   shard group and all-reduced across the replication group (ranks with the same
-  index in their shard group); with ``mics_hierarchical_params_gather`` and a shard
-  group spanning several nodes, a gather runs first across nodes (ranks with the same
-  local rank) and then inside the node (DeepSpeed 0.9-0.18 ``mics_utils.py``; MiCS,
-  Zhang et al., VLDB 2023, section 3).
+  index in their shard group); with ``mics_hierarchical_params_gather`` (the shard
+  group must span nodes), a gather runs first across nodes (ranks with the same local
+  rank) and then inside the node (DeepSpeed 0.18.9 ``mics.py`` / ``mics_utils.py``, read
+  for this; MiCS, Zhang et al., VLDB 2023, section 3).
 
 A generator lowers rank 0's program with rank 0's groups; every other rank runs the
 same program with its own groups (``relabel``). Ranks with equal groups share one
@@ -46,7 +46,8 @@ class RankGroups:
     intra: Group | None = None  # MiCS hierarchical gather, step 2: inside the node
 
 
-def check_hierarchy(world_size: int, gpus_per_node: int, hpz: int, mics: int, where: str = "ds_config") -> None:
+def check_hierarchy(world_size: int, gpus_per_node: int, hpz: int, mics: int, where: str = "ds_config",
+                    hierarchical: bool = False) -> None:
     """Clear errors for group sizes DeepSpeed would refuse."""
     if hpz > 1:
         key = f"{where}: zero_optimization.zero_hpz_partition_size"
@@ -59,6 +60,11 @@ def check_hierarchy(world_size: int, gpus_per_node: int, hpz: int, mics: int, wh
         if mics > gpus_per_node and mics % gpus_per_node:
             raise CommsimInputError(f"{key}: {mics} spans nodes, so it must be a multiple of the "
                                     f"{gpus_per_node} GPUs per node")
+        if hierarchical and mics <= gpus_per_node:
+            # mics_utils.create_mics_comm_groups asserts the shard group spans nodes
+            raise CommsimInputError(f"{where}: zero_optimization.mics_hierarchical_params_gather: the shard group "
+                                    f"({mics}) lies inside one node of {gpus_per_node} GPUs; DeepSpeed refuses "
+                                    "a hierarchical gather there")
 
 
 def rank_groups(rank: int, world_size: int, gpus_per_node: int, hpz: int = 1, mics: int = -1,

@@ -161,7 +161,7 @@ class Zero3Lowering:
             raise CommsimInputError("ds_config: zero_optimization: only offload_optimizer to cpu is modelled")
         gpn = gpus_per_node or world_size
         self.hpz = z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else 1
-        check_hierarchy(world_size, gpn, self.hpz, z.mics_shard_size)
+        check_hierarchy(world_size, gpn, self.hpz, z.mics_shard_size, hierarchical=z.mics_hierarchical_params_gather)
         self.md, self.W, self.ds, self.z, self.knobs, self.costs = md, world_size, ds, z, knobs, costs
         self.checkpointing, self.grad_accum = checkpointing, grad_accum
         self.groups_of = lambda r: rank_groups(r, world_size, gpn, self.hpz, z.mics_shard_size,
@@ -277,17 +277,22 @@ class Zero3Lowering:
             b.collective(s, label + ".hpz", O.CollectiveKind.ALL_GATHER, out_bytes, self.dtype, g.secondary,
                          buffers=target)
         elif g.inter is not None:
-            # MiCS hierarchical: across nodes (same local rank) into a staging buffer,
-            # then inside the node
+            # MiCS hierarchical (mics.py _hierarchical_all_gather_params): across nodes
+            # (same local rank) into the output, a clone of that part copied to where the
+            # intra-node gather expects it, then the gather inside the node
             stage = f"aghier[{k}]"
             mid = out_bytes // len(g.intra)
-            b.alloc(stage, mid, s, f"hierarchical all-gather staging {k}")
             b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            b.collective(s, label + ".inter", O.CollectiveKind.ALL_GATHER, mid, self.dtype, g.inter, buffers=(stage,))
+            b.collective(s, label + ".inter", O.CollectiveKind.ALL_GATHER, mid, self.dtype, g.inter, buffers=target)
+            b.alloc(stage, mid, s, f"hierarchical all-gather clone {k}")
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            b.copy(s, f"ag{k}.hier_clone", O.CopyDirection.D2D, mid, buffers=target + (stage,))
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            b.copy(s, f"ag{k}.hier_place", O.CopyDirection.D2D, mid, buffers=(stage,) + target)
+            b.free(stage, s, f"hierarchical all-gather clone {k}")
             b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
             b.collective(s, label + ".intra", O.CollectiveKind.ALL_GATHER, out_bytes, self.dtype, g.intra,
-                         buffers=(stage,) + target)
-            b.free(stage, s, f"hierarchical all-gather staging {k}")
+                         buffers=target)
         else:
             b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
             b.collective(s, label, O.CollectiveKind.ALL_GATHER, out_bytes, self.dtype, self.pgroup, buffers=target)
@@ -520,18 +525,15 @@ class Zero3Lowering:
                          deps=wait, buffers=inp)
             wait = ()
             if self.groups.replica is not None and self.last_micro:
-                # MiCS: the shard's gradients, concatenated, all-reduced across the
-                # replicas at the accumulation boundary (mics.py allreduce_mics_shard_grads)
-                cat = f"micsar[{k}]"
-                b.alloc(cat, shard * self.dt, s, f"MiCS replica all-reduce buffer {k}")
+                # MiCS: the shard's gradient partitions, scaled, all-reduced (coalesced)
+                # across the replicas at the accumulation boundary (mics.py
+                # allreduce_mics_shard_grads, all_reduce_coalesced path)
                 b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-                b.copy(s, f"rs{k}.mics_cat", O.CopyDirection.D2D, shard * self.dt, buffers=inp + (cat,))
+                b.compute(s, f"rs{k}.replica_scale", O.ComputeKind.ELEMENTWISE, shard, shard * self.dt,
+                          shard * self.dt, buffers=inp)
                 b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
                 b.collective(s, f"bwd.rs{k}.replica_allreduce", O.CollectiveKind.ALL_REDUCE, shard * self.dt,
-                             self.dtype, self.groups.replica, reduce_op=O.ReduceOp.SUM, buffers=(cat,))
-                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-                b.copy(s, f"rs{k}.mics_copy_back", O.CopyDirection.D2D, shard * self.dt, buffers=(cat,) + inp)
-                b.free(cat, s, f"MiCS replica all-reduce buffer {k}")
+                             self.dtype, self.groups.replica, reduce_op=O.ReduceOp.SUM, buffers=inp)
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             if not self.offload:
                 b.compute(s, f"rs{k}.partition_grads", O.ComputeKind.ELEMENTWISE, shard, shard * self.dt + shard * 4,

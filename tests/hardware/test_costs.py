@@ -90,6 +90,22 @@ def test_profile_costs(tmp_path):
         p.collective(ar)
 
 
+def test_profile_measured_gemm_shapes_take_precedence(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**PROFILE, "gemm_shapes_by_dtype": {"fp32": [[512, 8000, 512, 1, 2e10]],
+                                                                   "bf16": [[512, 8000, 512, 1, 4e10]]}}))
+    flops = 2 * 512 * 8000 * 512
+    measured = O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, flops, 0, 0, O.GemmShape(512, 8000, 512, 1))
+    other = O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, flops, 0, 0, O.GemmShape(8000, 512, 512, 1))
+    p = load_profile(path, "fp32")
+    assert p.compute_ns(measured) == 1000 + int(flops / 2e10 * 1e9)  # this very shape was timed
+    assert p.compute_ns(other) == 1000 + int(flops / p._gemm_rate(flops) * 1e9)  # by flops
+    assert load_profile(path, "bf16").compute_ns(measured) == 1000 + int(flops / 4e10 * 1e9)
+    path.write_text(json.dumps({**PROFILE, "gemm_shapes_by_dtype": {"fp32": [[512, 8000, 512, 1]]}}))
+    with pytest.raises(CommsimInputError, match=r"gemm_shapes_by_dtype.fp32: rows are \[m, n, k, batch, flops_per_s\]"):
+        load_profile(path, "fp32")
+
+
 def test_bad_profile(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({**PROFILE, "comm_slowdown": -1}))

@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_quick_calibration_then_predict(tmp_path):
     prof = tmp_path / "p.json"
-    out = subprocess.run([sys.executable, "-m", "commsim.cli", "calibrate", "--quick", "-o", str(prof)],
+    sched = tmp_path / "s.json"
+    out = subprocess.run([sys.executable, "-m", "commsim.cli", "schedule", "--model", "tiny", "--nodes", "1",
+                          "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "-o", str(sched)],
                          capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "commsim.cli", "calibrate", "--quick", "--schedule", str(sched),
+                          "-o", str(prof)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     p = load_profile(prof, "fp32")
     assert set(p.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
@@ -25,6 +30,13 @@ def test_quick_calibration_then_predict(tmp_path):
     assert p.comm_slowdown >= 1.0 and p.kernel_overhead_ns > 0
     obj = json.loads(prof.read_text())
     assert set(obj["gemm_by_dtype"]) == {"fp32", "bf16"}
+    # the schedule's own GEMM shapes, timed in its precision (bf16: the default config)
+    from commsim.ir import ops as O
+    from commsim.ir.serialize import load_schedule
+    shapes = {(op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch) for op in load_schedule(sched).programs[0].step
+              if isinstance(op, O.Compute) and op.gemm is not None}
+    assert {tuple(r[:4]) for r in obj["gemm_shapes_by_dtype"]["bf16"]} == shapes
+    assert set(load_profile(prof, "bf16").gemm_shapes) == shapes
     res = subprocess.run([sys.executable, "-m", "commsim.cli", "predict", "--model", "tiny", "--nodes", "1",
                           "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "--hw-profile", str(prof),
                           "--json"], capture_output=True, text=True)

@@ -171,6 +171,10 @@ def test_hierarchy_and_offload_config_errors():
         parse_ds_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
     with pytest.raises(CommsimInputError, match=r"mics_shard_size: needs stage 3 \(stage is 2\)"):
         parse_ds_config({"zero_optimization": {"stage": 2, "mics_shard_size": 2}})
+    bad({"mics_shard_size": 2, "mics_hierarchical_params_gather": True},
+        r"mics_hierarchical_params_gather: the shard group \(2\) lies inside one node")
+    with pytest.raises(CommsimInputError, match=r"mics_shard_size: cannot be combined with offload_optimizer"):
+        parse_ds_config({"zero_optimization": {"stage": 3, "mics_shard_size": 2, "offload_optimizer": {"device": "cpu"}}})
     with pytest.raises(CommsimInputError, match=r"mics_shard_size: cannot be combined with zero_hpz"):
         parse_ds_config({"zero_optimization": {"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2}})
     cfg = parse_ds_config({"elasticity": {}, "zero_optimization": {"stage": 3, "mics_shard_size": 2}})
@@ -190,9 +194,9 @@ def test_hierarchical_schedules_are_valid_and_reduce_each_gradient_once(nodes, g
     size = data.draw(st.sampled_from(divisors)) if divisors else 1
     if size > 1:
         zero["mics_shard_size" if mics else "zero_hpz_partition_size"] = size
-        if mics:
+        if mics and size > gpn:
             zero["mics_hierarchical_params_gather"] = data.draw(st.booleans())
-    if offload:
+    if offload and not (mics and size > 1):
         zero["offload_optimizer"] = {"device": "cpu"}
     s = gen(World(nodes, gpn), **zero)
     assert validate(s) == []
