@@ -123,6 +123,7 @@ class DeepSpeedConfig:
     # the script's client optimizer, taken to be torch.optim.AdamW (strategies/optimizer.py)
     optimizer_impl: str = "fused"
     warnings: tuple[str, ...] = ()
+    source: str = "ds_config"  # the file (or "ds_config"): names it in errors found later
 
     @property
     def param_dtype_bytes(self) -> int:
@@ -264,6 +265,7 @@ def parse_ds_config(obj: Any, where: str = "ds_config") -> DeepSpeedConfig:
         activation_checkpointing=ac,
         optimizer_impl="fused" if opt is not None else "torch",
         warnings=tuple(warnings),
+        source=where,
     )
 
 

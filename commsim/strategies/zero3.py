@@ -161,7 +161,8 @@ class Zero3Lowering:
             raise CommsimInputError("ds_config: zero_optimization: only offload_optimizer to cpu is modelled")
         gpn = gpus_per_node or world_size
         self.hpz = z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else 1
-        check_hierarchy(world_size, gpn, self.hpz, z.mics_shard_size, hierarchical=z.mics_hierarchical_params_gather)
+        check_hierarchy(world_size, gpn, self.hpz, z.mics_shard_size, ds.source,
+                        hierarchical=z.mics_hierarchical_params_gather)
         self.md, self.W, self.ds, self.z, self.knobs, self.costs = md, world_size, ds, z, knobs, costs
         self.checkpointing, self.grad_accum = checkpointing, grad_accum
         self.groups_of = lambda r: rank_groups(r, world_size, gpn, self.hpz, z.mics_shard_size,
