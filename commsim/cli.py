@@ -193,6 +193,21 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
                    "before its backward hooks; non_reentrant after the first one")
 
 
+def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> None:
+    """The fabric and measured profile (predict, sweep, tune), and the simulation mode flags."""
+    p.add_argument("--net", choices=("efa", "ib"), help="inter-node fabric: efa or ib (default: the cluster's own)")
+    p.add_argument("--hw-profile", metavar="FILE", help="measured hardware profile (from commsim calibrate)")
+    if not simulation:  # symmetric simulation, as the search compares configs, not noise
+        p.set_defaults(mode="auto", seed=0, jitter=None)
+        return
+    p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto",
+                   help="symmetric: simulate one rank for identical ranks (fast); per-rank: every rank, with "
+                   "jitter, stragglers and per-rank allocator flushes (default auto: symmetric when ranks are identical)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-rank jitter RNG (default 0)")
+    p.add_argument("--jitter", type=float,
+                   help="relative std-dev of compute kernel times per rank (default 0.01 per-rank, 0 symmetric)")
+
+
 # ---------------------------------------------------------------- predict
 
 
@@ -575,16 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "Defaults: the seed scenario, roberta-10b on 8 p4d nodes, ZeRO-3 optimized, micro-batch 16, "
                        "sequence 512, bf16, layer-wise checkpointing.")
     add_scenario_flags(p)
-    p.add_argument("--net", choices=("efa", "ib"),
-                   help="inter-node fabric: efa or ib (default: the cluster's own)")
+    add_hardware_flags(p)
     p.add_argument("--schedule", metavar="FILE", help="simulate this schedule file instead of generating one")
-    p.add_argument("--hw-profile", metavar="FILE", help="measured hardware profile (from commsim calibrate)")
-    p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto",
-                   help="symmetric: simulate one rank for identical ranks (fast); per-rank: every rank, with "
-                   "jitter, stragglers and per-rank allocator flushes (default auto: symmetric when ranks are identical)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the per-rank jitter RNG (default 0)")
-    p.add_argument("--jitter", type=float,
-                   help="relative std-dev of compute kernel times per rank (default 0.01 per-rank, 0 symmetric)")
     p.add_argument("--trace", metavar="FILE",
                    help="write the predicted trace (commsim JSON; a name ending .chrome.json writes Chrome/Perfetto)")
     p.add_argument("--plot", metavar="PNG", help="write a timeline plot of the step")
@@ -597,11 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "set the base scenario), in parallel, appending one CSV row per point as it finishes; a "
                        "rerun with the same -o skips the points already there.")
     add_scenario_flags(p)
-    p.add_argument("--net", choices=("efa", "ib"), help="inter-node fabric (default: the cluster's own)")
-    p.add_argument("--hw-profile", metavar="FILE", help="measured hardware profile")
-    p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto", help="simulation mode")
-    p.add_argument("--seed", type=int, default=0, help="jitter seed (default 0)")
-    p.add_argument("--jitter", type=float, help="per-rank compute jitter")
+    add_hardware_flags(p)
     p.add_argument("--grid", action="append", metavar="NAME=V1,V2",
                    help="an axis: a predict setting (stage, net, nodes, model, preset, micro_batch, ...), "
                    "knob.NAME or ds.KEY (repeatable)")
@@ -616,8 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "activation checkpointing, each point a full prediction; writes the winning ds_config.json "
                        "and explains, change by change, why it wins.")
     add_scenario_flags(p)
-    p.add_argument("--net", choices=("efa", "ib"), help="inter-node fabric (default: the cluster's own)")
-    p.add_argument("--hw-profile", metavar="FILE", help="measured hardware profile")
+    add_hardware_flags(p, simulation=False)
     p.add_argument("--search", help="comma-separated dimensions to search (default: all that apply): "
                    "reduce_bucket_size, stage3_prefetch_bucket_size, stage3_max_live_parameters, "
                    "stage3_max_reuse_distance, stage3_param_persistence_threshold, zero_hpz_partition_size, "
@@ -628,7 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-o", "--output", default="ds_config.tuned.json", help="the config to write "
                    "(default ds_config.tuned.json)")
-    p.set_defaults(func=cmd_tune, schedule=None, mode="auto", seed=0, jitter=None)
+    p.set_defaults(func=cmd_tune, schedule=None)
 
     p = sub.add_parser("plot", help="plot a sweep table: scaling curves or stall bars",
                        description="scaling: a metric against a column, one line per --hue group; stalls: "

@@ -90,7 +90,7 @@ def scenario_for(base: Scenario, point: dict[str, Any]) -> Scenario:
             knobs.append(f"{name[5:]}={v}")
         elif name.startswith("ds."):
             if ds is None:
-                ds = _base_ds(base)
+                ds = base_ds_config(base)
             key = name[3:]
             if key in _TOP_LEVEL_DS:
                 ds[key] = v
@@ -105,7 +105,7 @@ def scenario_for(base: Scenario, point: dict[str, Any]) -> Scenario:
     return base.with_(knobs=tuple(knobs), **changes)
 
 
-def _base_ds(base: Scenario) -> dict[str, Any]:
+def base_ds_config(base: Scenario) -> dict[str, Any]:
     if base.ds_config is None:
         from commsim.api import default_ds_config
 
@@ -120,7 +120,8 @@ def _base_ds(base: Scenario) -> dict[str, Any]:
     return obj
 
 
-def _run(args: tuple[Scenario, dict[str, Any], str]) -> dict[str, Any]:
+def run_point(args: tuple[Scenario, dict[str, Any], str]) -> dict[str, Any]:
+    """One grid point predicted, as a table row (its settings, metrics, or its error)."""
     base, point, pid = args
     row: dict[str, Any] = {"point_id": pid, **point}
     t = time.perf_counter()
@@ -164,7 +165,7 @@ def sweep(base: Scenario, grid: dict[str, list[Any]], jobs: int = 2, output: str
         progress(0, total)
     ctx = mp.get_context("spawn")
     with ctx.Pool(max(1, jobs)) as pool:
-        for row in pool.imap_unordered(_run, todo):
+        for row in pool.imap_unordered(run_point, todo):
             rows.append(row)
             if out:
                 header = _append(out, row, header)

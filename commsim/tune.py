@@ -24,7 +24,7 @@ from typing import Any, Callable
 from commsim.api import Scenario
 from commsim.ir.errors import CommsimInputError
 from commsim.report.metrics import STALL_CAUSES
-from commsim.sweep import _base_ds, _run
+from commsim.sweep import base_ds_config, run_point
 
 # name -> candidate values (None: derived from the scenario). Bucket and prefetch sizes
 # span DeepSpeed's documented ranges around its defaults (5e8 / 5e7 elements).
@@ -97,7 +97,7 @@ def _summary(e: Evaluation) -> dict[str, Any]:
 
 def _start(base: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
     """(base DeepSpeed config, starting settings of every dimension)."""
-    ds = _base_ds(base)
+    ds = base_ds_config(base)
     zero = ds.setdefault("zero_optimization", {})
     if base.stage is not None:
         zero["stage"] = base.stage
@@ -181,7 +181,7 @@ def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max
                 key = json.dumps(s, sort_keys=True)
                 if key not in cache and key not in {k for k, _ in todo}:
                     todo.append((key, s))
-            rows = pool.map(_run, [(_scenario(base, ds, s, stage), {}, k) for k, s in todo]) if todo else []
+            rows = pool.map(run_point, [(_scenario(base, ds, s, stage), {}, k) for k, s in todo]) if todo else []
             for (key, s), row in zip(todo, rows):
                 cache[key] = Evaluation(s, row)
             return [cache[json.dumps(s, sort_keys=True)] for s in batch]

@@ -213,18 +213,7 @@ class _RankSim:
         self.node = sim.cost.node_of(rank)
         self.jitter = sim.jitter
         self.finished_issuing = False
-        # A communication stream's copies and kernels (unflatten, interleave, partition)
-        # serve its collectives: a host waiting on them waits on that communication.
-        # (A stream running model kernels, GEMMs or attention, is a compute stream.)
-        self.stream_comm: dict[str, str] = {}
-        model_streams = set()
-        for op in self.program.step:
-            if isinstance(op, O.Collective):
-                self.stream_comm.setdefault(op.stream, _stall_kind(op))
-            elif isinstance(op, O.Compute) and op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION):
-                model_streams.add(op.stream)
-        for stream in model_streams:
-            self.stream_comm.pop(stream, None)
+        self.stream_comm = sim.stream_comm(self.program)
 
     # ------------------------------------------------------------ setup
     def run_setup(self) -> None:
@@ -555,6 +544,25 @@ class Simulator:
         self.stop = self.env.event()
         self._plans: dict[tuple, tuple[int, tuple]] = {}
         self._members: dict[tuple[int, ...], int] = {}
+        self._stream_comm: dict[int, dict[str, str]] = {}
+
+    def stream_comm(self, program) -> dict[str, str]:
+        """Communication streams of a program and the stall kind of their collectives: a
+        host waiting on such a stream's copies or kernels (unflatten, interleave,
+        partition) waits on that communication. A stream that runs model kernels (GEMMs,
+        attention) is a compute stream. Computed once per program, shared by its ranks."""
+        found = self._stream_comm.get(id(program))
+        if found is None:
+            found, model_streams = {}, set()
+            for op in program.step:
+                if isinstance(op, O.Collective):
+                    found.setdefault(op.stream, _stall_kind(op))
+                elif isinstance(op, O.Compute) and op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION):
+                    model_streams.add(op.stream)
+            for stream in model_streams:
+                found.pop(stream, None)
+            self._stream_comm[id(program)] = found
+        return found
 
     def _capacity(self, link) -> float:
         cap = self.cost.link_capacity(link)
