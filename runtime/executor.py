@@ -76,14 +76,14 @@ class RankRun:
 
 
 def spin_ns(duration_ns: int) -> None:
-    """Host work of ``duration_ns``, without holding the GIL (the stream threads of this
-    rank must keep running, as GPU streams would): sleep through most of it, then yield
-    in a tight loop (sleep alone overshoots by tens of microseconds)."""
+    """Host work of ``duration_ns``: a busy loop, as the Python it stands for keeps a core
+    busy and holds the GIL. The interpreter hands the GIL to this rank's stream threads at
+    its switch interval (the launcher sets 0.2 ms), as it would to a framework's threads.
+    (Sleeping or ``time.sleep(0)`` is no substitute: each such call costs the kernel's
+    50 us timer slack, which made a 6 us host op last 60 us on the development machine.)"""
     end = time.perf_counter_ns() + duration_ns
-    if duration_ns > 300_000:
-        time.sleep((duration_ns - 150_000) / 1e9)
     while time.perf_counter_ns() < end:
-        time.sleep(0)
+        pass
 
 
 class _Groups:
@@ -121,11 +121,15 @@ class _Kernels:
             if key not in self.operands:
                 a = torch.randn(g.batch, g.m, g.k, dtype=self.dtype, device=self.device)
                 b = torch.randn(g.batch, g.k, g.n, dtype=self.dtype, device=self.device)
-                self.operands[key] = (a, b)
-            a, b = self.operands[key]
+                c = torch.zeros(g.batch, g.m, g.n, dtype=self.dtype, device=self.device)
+                self.operands[key] = (a, b, c)
+            a, b, c = self.operands[key]
             reps = max(1, round(op.flops / g.flops)) if g.flops else 1  # attention: both matmuls
+            # Into a kept output: the schedule's allocs and frees stand for the memory of
+            # activations and gradients, so a fresh output per kernel would allocate twice
+            # (on CPUs, its page faults took 2% of the machine in a 4-rank run).
             for _ in range(min(reps, 4)):
-                torch.bmm(a, b)
+                torch.bmm(a, b, out=c)
         else:
             self._mem(op.bytes_read + op.bytes_written)
 
@@ -153,6 +157,7 @@ class RankExecutor:
         self.kernels = _Kernels(self.device, dtype)
         self.groups = _Groups(schedule, self.world)
         self.buffers: dict[str, torch.Tensor] = {}
+        self.partitions: dict[tuple, torch.Tensor] = {}  # persistent own-side tensors of collectives
         self.buffer_streams: dict[str, set[str]] = {}
         self.text = {op.id: op_to_text(op) for op in self.program.all_ops()}
         self.current: O.Op | None = None
@@ -184,6 +189,20 @@ class RankExecutor:
                 return t[:nbytes].view(dtype)
         return torch.empty(nbytes // item, dtype=dtype, device=self.device)
 
+    def _partition(self, op: O.Collective, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's own side of a gather or reduce-scatter: in a framework, the rank's
+        persistent parameter or gradient partition, whose pages were touched long ago.
+        One per gathered / reduced buffer set (a parameter's forward and backward gathers
+        share it), kept across steps: a fresh untouched tensor per call would add page
+        faults to the collective that no framework pays."""
+        if self.opts.check_data:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        key = (op.kind, op.buffers or (op.id,), numel, dtype)
+        t = self.partitions.get(key)
+        if t is None:
+            t = self.partitions[key] = torch.zeros(numel, dtype=dtype, device=self.device)
+        return t
+
     # ------------------------------------------------------------ collectives
     def _fill(self, t: torch.Tensor, value: float) -> None:
         t.fill_(value)
@@ -199,7 +218,7 @@ class RankExecutor:
         tag = float(op.id % 7)
         if op.kind is O.CollectiveKind.ALL_GATHER:
             out = self._tensor(op.buffers, op.size_bytes, dtype)
-            shard = torch.empty(out.numel() // p, dtype=dtype, device=self.device)
+            shard = self._partition(op, out.numel() // p, dtype)
             if self.opts.check_data:
                 self._fill(shard, me + 1 + tag)
 
@@ -212,7 +231,7 @@ class RankExecutor:
             work = _all_gather(out, shard, group=group, async_op=True)
         elif op.kind is O.CollectiveKind.REDUCE_SCATTER:
             inp = self._tensor(op.buffers, op.size_bytes, dtype)
-            out = torch.empty(inp.numel() // p, dtype=dtype, device=self.device)
+            out = self._partition(op, inp.numel() // p, dtype)
             if self.opts.check_data:
                 self._fill(inp, me + 1)
 
