@@ -13,7 +13,8 @@ Measured:
   assuming one kind from another (gloo's reduce-scatter, for one, costs an all-reduce);
 * how much slower compute runs while a collective is in flight, and the reverse;
 * the executor's own per-op costs: host time to issue a device op, and per-op overhead;
-* allocation cost by size.
+* allocation cost by size, in a step-like steady state (heap reuse vs fresh pages);
+* on CPUs, the cores and, with more ranks than cores, the OS time slice.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def _latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]
 
 class Calibrator:
     def __init__(self, rank: int, world: int, backend: str, quick: bool = False, log: Callable[[str], None] = print,
-                 shapes: tuple[tuple[str, int, int, int, int], ...] = ()):
+                 shapes: tuple[tuple[str, int, int, int, int], ...] = (), ranks_per_node: int | None = None):
         self.rank, self.world, self.backend = rank, world, backend
+        self.ranks_per_node = ranks_per_node or world
         self.shapes = shapes  # (dtype, m, n, k, batch) of the GEMMs some schedules will run
         self.gpu = backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
@@ -95,8 +97,15 @@ class Calibrator:
         return float(out.item())
 
     def _together(self, fn: Callable[[], Any]) -> float:
-        """Time ``fn`` on all ranks at once; the slowest rank's median counts. Every rank
-        runs the same number of calls (a collective inside must match on all ranks)."""
+        """Time ``fn`` on all ranks at once; the slowest rank's mean counts. Every rank
+        runs the same number of calls (a collective inside must match on all ranks).
+
+        The mean, not the median: with more ranks than cores, the OS time-slices them in
+        slices of milliseconds, so a call shorter than a slice usually runs at a whole
+        core's speed and now and then waits out another rank's slice. The median keeps
+        only the fast calls; the mean is what such calls cost on average in a step. (On
+        the development machine, 4 ranks on 2 cores: the median priced memory-bound
+        kernels and copies at under half what the executor then measured.)"""
         dist.barrier()
         t = time.perf_counter()
         fn()
@@ -109,13 +118,15 @@ class Calibrator:
             fn()
             self.sync()
             times.append(time.perf_counter() - t)
-        return self._agree(statistics.median(times))
+        return self._agree(statistics.fmean(times))
 
     # ------------------------------------------------------------ compute
     def gemm(self, dtype: torch.dtype) -> list[list[float]]:
         sizes = [16, 32, 64, 128, 256, 512] if self.quick else [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024]
         if dtype == torch.bfloat16 and not self.gpu:
-            sizes = [s for s in sizes if s <= 512]  # slow on CPUs without bf16 units; the curve is flat by then
+            # slow on CPUs without bf16 units (2 GFLOP/s on the development machine: a
+            # batched 512^3 took a second a call); the curve is flat well before these sizes
+            sizes = [s for s in sizes if s <= (128 if self.quick else 256)]
         kernels = _Kernels(self.device, dtype)
         # square matmuls, batched ones, and the tall-and-skinny shapes of transformer
         # layers (tokens x hidden x 4*hidden and their gradients)
@@ -233,6 +244,28 @@ class Calibrator:
         self.log(f"contention: compute x{slow_c:.2f} while communicating, communication x{slow_n:.2f} while computing")
         return slow_c, slow_n
 
+    # ------------------------------------------------------------ the OS scheduler
+    def time_slice(self, cores: int) -> int | None:
+        """With more ranks than cores (CPU backends), how long the OS lets a rank run
+        before another takes its core: every rank spins, noting each jump of its clock
+        (a time it did not run); the median stretch between jumps is the slice."""
+        if self.gpu or self.world <= cores:
+            return None
+        runs: list[int] = []
+        dist.barrier()
+        last = start = time.perf_counter_ns()
+        end = last + (300_000_000 if self.quick else 1_000_000_000)
+        while last < end:
+            now = time.perf_counter_ns()
+            if now - last > 200_000:  # descheduled: far longer than a loop iteration
+                runs.append(last - start)
+                start = now
+            last = now
+        med = statistics.median(runs[1:]) if len(runs) > 2 else 0
+        slice_ns = int(self._agree(float(med)))
+        self.log(f"OS time slice: {slice_ns / 1e6:.2f} ms ({self.world} ranks on {cores} cores)")
+        return slice_ns or None
+
     # ------------------------------------------------------------ executor costs
     def executor_overheads(self) -> tuple[int, int]:
         """(host ns to issue a device op, per-op overhead ns) of the executor itself."""
@@ -254,18 +287,42 @@ class Calibrator:
         self.log(f"executor: {res[0] / 1e3:.1f} us per op, host issue {res[1] / 1e3:.1f} us")
         return int(res[1]), int(res[0])
 
-    def alloc(self) -> tuple[float, float]:
-        """An allocation as the executor makes it (on CPUs: fresh pages, touched)."""
-        pts = []
-        for nbytes in (4 << 10, 1 << 20, 16 << 20, 64 << 20):
-            if self.gpu:
-                fn = (lambda n=nbytes: torch.empty(n, dtype=torch.uint8, device=self.device))
-            else:
-                fn = (lambda n=nbytes: torch.zeros(n, dtype=torch.uint8))
-            pts.append((float(nbytes), self._together(fn)))
+    def alloc(self) -> tuple[float, float, list[list[float]]]:
+        """Allocations as the executor makes them (on CPUs: zeroed host memory), in a
+        steady state like a training step's: each round allocates every size in turn,
+        holds them all, then frees them. Returns the latency-bandwidth line and the
+        per-size table. On GPUs the cache is emptied between rounds, so each round times
+        cudaMalloc itself (what a cache miss costs). On CPUs the table matters: glibc reuses heap pages below its
+        mmap threshold (up to 32 MiB) and maps fresh ones above it, so the cost per byte
+        jumps about 6x across it; sizes on both sides of 32 MiB are measured."""
+        sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 30 << 20, 34 << 20, 64 << 20]
+        if self.quick:
+            sizes = [4 << 10, 1 << 20, 16 << 20, 34 << 20]
+        if self.gpu:
+            make = (lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
+        else:
+            make = (lambda n: torch.zeros(n, dtype=torch.uint8))
+        rounds = 4 if self.quick else 8
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for r in range(rounds + 1):
+            dist.barrier()
+            live = []
+            for n in sizes:
+                t = time.perf_counter()
+                live.append(make(n))
+                self.sync()
+                if r:  # the first round warms the heap up
+                    times[n].append(time.perf_counter() - t)
+            del live
+            if self.gpu:  # each round's allocations are cudaMalloc calls, not cache hits
+                self.sync()
+                torch.cuda.empty_cache()
+        med = torch.tensor([statistics.fmean(times[n]) for n in sizes], dtype=torch.float64)  # see _together
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        pts = [(float(n), float(t)) for n, t in zip(sizes, med.tolist())]
         a, bw = _latency_bandwidth(pts)
-        self.log(f"allocation: {a * 1e6:.1f} us + {1e9 / bw:.3f} ns per byte")
-        return a, 1.0 / bw
+        self.log("allocation: " + ", ".join(f"{n / 2**20:g} MiB {t * 1e3:.2f} ms" for n, t in pts))
+        return a, 1.0 / bw, [[int(x), y] for x, y in pts]
 
     # ------------------------------------------------------------ all
     def run(self) -> dict[str, Any]:
@@ -277,13 +334,16 @@ class Calibrator:
         colls = self.collectives()
         slow_c, slow_n = self.contention()
         issue_ns, per_op_ns = self.executor_overheads()
-        alloc_a, alloc_per_byte = self.alloc()
+        alloc_a, alloc_per_byte, alloc_points = self.alloc()
+        cores = _cpu_cores()
+        slice_ns = self.time_slice(cores)
         mem_total = torch.cuda.get_device_properties(self.device).total_memory if self.gpu else _host_memory()
         self.log(f"calibration took {time.perf_counter() - t0:.0f} s")
         return {
             "kind": "commsim-hw-profile", "schema_version": PROFILE_SCHEMA_VERSION,
-            "description": f"{self.world} ranks, {self.backend}, {_describe(self.device)}",
-            "backend": self.backend, "ranks_per_node": self.world, "memory_bytes": int(mem_total),
+            "description": f"{self.world} ranks ({self.ranks_per_node} per node), {self.backend}, "
+                           f"{_describe(self.device)}",
+            "backend": self.backend, "ranks_per_node": self.ranks_per_node, "memory_bytes": int(mem_total),
             "kernel_overhead_ns": max(int(mem_a * 1e9), per_op_ns),
             "issue_ns": issue_ns,
             "gemm": gemm,
@@ -297,9 +357,20 @@ class Calibrator:
             "comm_slowdown": slow_c,
             "comm_slowdown_during_compute": slow_n,
             "caching_allocator": self.gpu,
+            **({} if self.gpu else {"cpu_cores": cores}),
+            **({"time_slice_ns": slice_ns} if slice_ns else {}),
             "alloc": {"malloc_base_ns": int(alloc_a * 1e9), "malloc_ns_per_byte": alloc_per_byte * 1e9,
-                      "free_base_ns": int(alloc_a * 1e9), "free_ns_per_byte": 0.0},
+                      "free_base_ns": int(alloc_a * 1e9), "free_ns_per_byte": 0.0, "points": alloc_points},
         }
+
+
+def _cpu_cores() -> int:
+    """Cores this process (and the ranks started like it) may run on."""
+    import os
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _host_memory() -> int:

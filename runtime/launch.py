@@ -222,6 +222,10 @@ def calibrate_env(backend: str, out: str, quick: bool = False, shapes: tuple = (
     found = env_rank()
     assert found is not None, "calibrate_env needs RANK and WORLD_SIZE in the environment"
     rank, world, local = found
+    # Ranks sharing a machine (torchrun's LOCAL_WORLD_SIZE, srun's tasks per node): the
+    # profile's node, whose ranks share its links. Unknown: all ranks on one machine.
+    local_world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    per_node = int(local_world) if local_world.isdigit() and int(local_world) > 0 else world
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.setswitchinterval(0.0002)
@@ -231,7 +235,7 @@ def calibrate_env(backend: str, out: str, quick: bool = False, shapes: tuple = (
                             timeout=datetime.timedelta(seconds=300))
     try:
         profile = Calibrator(rank, world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True),
-                             shapes=shapes).run()
+                             shapes=shapes, ranks_per_node=per_node).run()
         if rank == 0:
             atomic_write_text(out, json.dumps(profile, indent=1))
         dist.barrier()

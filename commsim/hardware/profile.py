@@ -18,8 +18,22 @@ Format (JSON)::
      "comm_slowdown": 1.5,              # compute runs this much slower during a collective
      "comm_slowdown_during_compute": 2, # and collectives this much slower during compute (optional)
      "issue_ns": 20000,                 # host time to issue one device op (optional)
+     "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
      "alloc": {"malloc_base_ns": 5000, "malloc_ns_per_byte": 0.0,
-               "free_base_ns": 5000, "free_ns_per_byte": 0.0}}
+               "free_base_ns": 5000, "free_ns_per_byte": 0.0,
+               "points": [[bytes, seconds], ...]}}  # optional: host allocations by size
+
+Host allocations (CPU backends) are priced from ``alloc.points`` when present, piecewise
+linear by size: glibc's malloc serves blocks below its mmap threshold (dynamic, up to
+32 MiB on 64-bit Linux: mallopt(3), M_MMAP_THRESHOLD) from a heap whose pages are
+already touched, so zeroing them costs a memset; larger blocks are fresh mmapped pages
+every time and pay page faults, about 6x more per byte on the development machine. One
+latency-plus-bandwidth line through both regimes priced a 4 MiB buffer 10x too high.
+
+With a CPU backend and more ranks per node than ``cpu_cores``, the simulator runs the
+node's OS scheduler: host threads and collectives' backend threads share the cores in
+time slices of ``time_slice_ns``, and every cost above (measured with all ranks busy
+at once, so with cores/ranks of a core each) is scaled to one core's worth.
 
 A collective of ``size_bytes`` over a group of ``p`` ranks takes ``latency_ns +
 size_bytes / bytes_per_s`` alone (nccl-tests' algorithm bandwidth); concurrent
@@ -87,6 +101,26 @@ class HardwareProfile:
     malloc_ns_per_byte: float
     free_base_ns: int
     free_ns_per_byte: float
+    alloc_points: tuple[tuple[float, float], ...] = ()  # measured (bytes, seconds) of host allocations
+    # CPU backends: cores the node's ranks share, and the OS time slice between them
+    # (measured by calibrate). More ranks than cores: the simulator time-slices them.
+    cpu_cores: int | None = None
+    time_slice_ns: int = 0
+
+    def host_malloc_ns(self, size_bytes: int) -> int:
+        """An allocation without a caching allocator in front: measured by size when
+        calibrate recorded points, else the latency-bandwidth line."""
+        pts = self.alloc_points
+        if len(pts) < 2:
+            return self.malloc_base_ns + int(self.malloc_ns_per_byte * size_bytes)
+        xs = [x for x, _ in pts]
+        i = min(max(bisect.bisect_left(xs, size_bytes), 1), len(pts) - 1)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        if size_bytes > x1:  # beyond the largest measured size: its cost per byte
+            return int(y1 * size_bytes / x1 * 1e9)
+        if size_bytes < x0:  # below the smallest: a fixed cost dominates there
+            return int(y0 * 1e9)
+        return max(0, int((y0 + (y1 - y0) * (size_bytes - x0) / (x1 - x0)) * 1e9))
 
     @property
     def synchronous_compute(self) -> bool:
@@ -171,6 +205,13 @@ def _num(obj: dict[str, Any], key: str, where: str, positive: bool = True) -> fl
     return float(v)
 
 
+def _points(pts: Any, where: str) -> tuple[tuple[float, float], ...]:
+    if not isinstance(pts, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x >= 0 for x in p) for p in pts):
+        raise CommsimInputError(f"{where} must be a list of [bytes, seconds] pairs")
+    return tuple(sorted((float(a), float(b)) for a, b in pts))
+
+
 def _gemm_points(gemm: Any, where: str) -> tuple[tuple[float, float], ...]:
     if not isinstance(gemm, list) or not gemm or not all(
             isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in p) for p in gemm):
@@ -240,6 +281,9 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         malloc_ns_per_byte=_num(alloc, "malloc_ns_per_byte", f"{where}: alloc", positive=False),
         free_base_ns=int(_num(alloc, "free_base_ns", f"{where}: alloc", positive=False)),
         free_ns_per_byte=_num(alloc, "free_ns_per_byte", f"{where}: alloc", positive=False),
+        alloc_points=_points(alloc.get("points", []), f"{where}: alloc.points"),
+        cpu_cores=int(_num(obj, "cpu_cores", where)) if obj.get("cpu_cores") is not None else None,
+        time_slice_ns=int(_num(obj, "time_slice_ns", where)) if obj.get("time_slice_ns") is not None else 0,
     )
 
 

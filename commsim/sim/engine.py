@@ -16,6 +16,13 @@ Per simulated rank:
   transfer whose bytes are spread over the links it uses; concurrent transfers share
   each link's bandwidth equally.
 
+When a measured CPU profile puts more ranks on a node than it has cores, the node's
+**CPU scheduler** is simulated too (per-rank mode): every rank's host thread (kernels,
+host work, allocations) and every collective's backend thread run on the node's cores
+in time slices, round robin, as the OS time-slices them; a thread that blocks gives its
+core up, one that wakes is served before one whose slice ran out. Costs measured with
+all ranks busy at once are scaled back to one core's worth (cores / ranks).
+
 Symmetric mode simulates rank 0 alone: its collectives start as soon as it reaches
 them, as if every identical rank arrived at the same moment. Per-rank mode simulates
 every rank (jitter, stragglers, one rank's allocator flush delaying the others).
@@ -186,6 +193,55 @@ class FluidNetwork:
         self._reschedule()
 
 
+class CpuThread:
+    """A thread the CPU scheduler runs: holds a core across consecutive work until it
+    blocks or its time slice runs out while another thread waits."""
+
+    __slots__ = ("req", "used_ns", "preempted")
+
+    def __init__(self) -> None:
+        self.req = None
+        self.used_ns = 0
+        self.preempted = False
+
+
+class CpuScheduler:
+    """One node's cores, time-sliced between runnable threads (round robin)."""
+
+    def __init__(self, env: simpy.Environment, cores: int, slice_ns: int):
+        assert cores >= 1 and slice_ns > 0
+        self.env = env
+        self.cores = simpy.PriorityResource(env, capacity=cores)
+        self.slice_ns = slice_ns
+
+    def run(self, th: CpuThread, work_ns: int):
+        """Give ``th`` ``work_ns`` of one core's time; returns when it has had it."""
+        env = self.env
+        while work_ns > 0:
+            if th.req is None:
+                # woken threads first; a thread whose slice ran out queues behind them
+                th.req = self.cores.request(priority=1 if th.preempted else 0)
+                th.used_ns = 0
+                yield th.req
+            chunk = min(work_ns, self.slice_ns - th.used_ns)
+            yield env.timeout(chunk)
+            work_ns -= chunk
+            th.used_ns += chunk
+            if th.used_ns >= self.slice_ns:
+                if self.cores.queue:
+                    self.release(th)
+                    th.preempted = True
+                else:
+                    th.used_ns = 0  # nobody waits: a fresh slice on the same core
+
+    def release(self, th: CpuThread) -> None:
+        """``th`` blocks (or ends): its core goes to the next runnable thread."""
+        if th.req is not None:
+            self.cores.release(th.req)
+            th.req = None
+        th.preempted = False
+
+
 class _RankSim:
     """One simulated rank: its host process, stream processes and allocator."""
 
@@ -214,6 +270,8 @@ class _RankSim:
         self.jitter = sim.jitter
         self.finished_issuing = False
         self.stream_comm = sim.stream_comm(self.program)
+        self.cpu = sim.cpus.get(self.node)  # None: host and kernels need no scheduling
+        self.thread = CpuThread()
 
     # ------------------------------------------------------------ setup
     def run_setup(self) -> None:
@@ -243,7 +301,7 @@ class _RankSim:
                 # Step boundary: everything of the previous step has finished.
                 pending = [e for e in self.last_issued.values() if not e.processed]
                 if pending:
-                    yield simpy.AllOf(env, pending)
+                    yield from self._block(pending)
                 self.result.start_ns = env.now
                 self.result.records.clear()
                 self.result.host_blocks.clear()
@@ -253,6 +311,8 @@ class _RankSim:
                 self.alloc.stats.peak_reserved_bytes = self.alloc.stats.reserved_bytes
                 self.alloc.stats.num_alloc_retries = 0
             yield from self._issue_step()
+        if self.cpu is not None:
+            self.cpu.release(self.thread)
         self.finished_issuing = True
         for stream, w in list(self.wakeups.items()):
             if w is not None:
@@ -271,18 +331,26 @@ class _RankSim:
             if issue_ns and isinstance(op, O.DEVICE_OP_TYPES):
                 host_t += issue_ns  # the host's own cost of handing the op to its stream
             if isinstance(op, O.HostWork):
+                if self.cpu is not None:  # the host thread needs a core for it
+                    yield from self._spend(host_t - env.now)
+                    t0 = env.now
+                    yield from self._spend(op.duration_ns)
+                    if rec:
+                        self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
+                    host_t = env.now
+                    continue
                 if rec:
                     self.result.records.append(OpRecord(self.rank, HOST, op, host_t, host_t, host_t + op.duration_ns))
                 host_t += op.duration_ns
                 continue
             if host_t > env.now:
-                yield env.timeout(host_t - env.now)
+                yield from self._spend(host_t - env.now)
             t0 = env.now
             if isinstance(op, O.HostSync):
                 evs = self._sync_events(op)
                 pending = [e for e in evs if not e.processed]
                 if pending:
-                    yield simpy.AllOf(env, pending)
+                    yield from self._block(pending)
                 if env.now > t0:
                     self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(op, evs)))
                 if rec:
@@ -322,7 +390,22 @@ class _RankSim:
                     w.succeed()
             host_t = env.now
         if host_t > env.now:
-            yield env.timeout(host_t - env.now)
+            yield from self._spend(host_t - env.now)
+
+    def _spend(self, ns: int):
+        """The host thread's own time: on a scheduled CPU it needs a core for it."""
+        if ns <= 0:
+            return
+        if self.cpu is None:
+            yield self.env.timeout(ns)
+        else:
+            yield from self.cpu.run(self.thread, ns)
+
+    def _block(self, pending: list[simpy.Event]):
+        """The host thread waits for events: on a scheduled CPU it gives its core up."""
+        if self.cpu is not None:
+            self.cpu.release(self.thread)
+        yield simpy.AllOf(self.env, pending)
 
     def _host_waits(self, deps: tuple[O.OpId, ...]):
         env = self.env
@@ -330,7 +413,7 @@ class _RankSim:
         pending = [e for e in evs if not e.processed]
         if pending:
             t0 = env.now
-            yield simpy.AllOf(env, pending)
+            yield from self._block(pending)
             if env.now > t0:
                 self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(None, evs)))
 
@@ -340,13 +423,20 @@ class _RankSim:
         env, cost = self.env, self.sim.cost
         if isinstance(op, O.Compute):
             dur = cost.compute_ns(op)
-            if self.active_comm:
+            if self.cpu is not None:  # contention comes from the scheduler: one core's worth
+                dur = self.sim.core_work_ns(dur)
+            elif self.active_comm:
                 dur = int(dur * cost.comm_slowdown)
             if self.jitter:
                 dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
+            if self.cpu is not None:
+                yield from self.cpu.run(self.thread, dur)
+                return
             self.sim.compute_started(self.node)
             yield env.timeout(dur)
             self.sim.compute_ended(self.node)
+        elif self.cpu is not None:
+            yield from self.cpu.run(self.thread, self.sim.core_work_ns(cost.copy_ns(op)))
         else:
             yield env.timeout(cost.copy_ns(op))
 
@@ -402,7 +492,7 @@ class _RankSim:
             self.result.flush_times_ns.append(t0)
             pending = [e for e in self.last_issued.values() if not e.processed]
             if pending:
-                yield simpy.AllOf(env, pending)  # deferred frees return as their events fire
+                yield from self._block(pending)  # deferred frees return as their events fire
             try:
                 res = self.alloc.malloc_after_flush(op.size_bytes, op.stream)
             except OutOfMemory as e:
@@ -422,8 +512,15 @@ class _RankSim:
             yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes))
             self.result.host_blocks.append(HostBlock(t0, env.now, "allocator"))
         elif not cost.caching_allocator:
-            # host malloc: fresh pages every time (the block bookkeeping still gives peaks)
-            yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * op.size_bytes))
+            # host malloc, every time (the block bookkeeping still gives peaks): priced by
+            # size where the profile measured it (heap reuse vs fresh mmapped pages)
+            per_size = getattr(cost, "host_malloc_ns", None)
+            ns = per_size(op.size_bytes) if per_size is not None else \
+                cost.malloc_base_ns + int(cost.malloc_ns_per_byte * op.size_bytes)
+            if self.cpu is not None:
+                yield from self.cpu.run(self.thread, self.sim.core_work_ns(ns))
+            else:
+                yield env.timeout(ns)
         else:
             yield env.timeout(self.sim.config.alloc_hit_ns)
         self.blocks[op.buffer] = res.block
@@ -526,8 +623,10 @@ class Simulator:
         # Rank-symmetric: all ranks run one program, or (hierarchical partitioning) the
         # same program over their own groups, as the generator declares.
         symmetric_ok = len(schedule.programs) == 1 or schedule.meta.knob("rank_symmetric") is True
+        oversubscribed = _oversubscribed(cost)
         if mode == "auto":
-            mode = "symmetric" if symmetric_ok else "per-rank"
+            # more ranks than cores: their time slices matter, so every rank is simulated
+            mode = "symmetric" if symmetric_ok and not oversubscribed else "per-rank"
         if mode == "symmetric" and not symmetric_ok:
             raise ValueError("symmetric mode needs every rank to run the same program (up to its groups)")
         if mode not in ("symmetric", "per-rank"):
@@ -545,6 +644,16 @@ class Simulator:
         self._plans: dict[tuple, tuple[int, tuple]] = {}
         self._members: dict[tuple[int, ...], int] = {}
         self._stream_comm: dict[int, dict[str, str]] = {}
+        self.cpus: dict[int, CpuScheduler] = {}
+        if oversubscribed and mode == "per-rank":
+            slice_ns = int(getattr(cost, "time_slice_ns", 0) or DEFAULT_TIME_SLICE_NS)
+            self.cpus = {n: CpuScheduler(self.env, cost.cpu_cores, slice_ns) for n in self.nodes}
+            self._core_share = cost.cpu_cores / cost.ranks_per_node
+
+    def core_work_ns(self, measured_ns: int) -> int:
+        """A cost measured with every rank of the node busy at once, as one core's work:
+        the ranks shared the cores then (cores / ranks each); the scheduler shares them now."""
+        return max(1, int(measured_ns * self._core_share))
 
     def stream_comm(self, program) -> dict[str, str]:
         """Communication streams of a program and the stall kind of their collectives: a
@@ -609,9 +718,23 @@ class Simulator:
         latency, demands = cached
         rv.done = env.event()
         rv.event.succeed(env.now)
+        if self.cpus:
+            # CPU backend on shared cores: the transfer is every member's backend thread
+            # copying and reducing; it ends once each has had its share of a core.
+            dur = latency + max((b / self.cost.link_capacity(l) * 1e9 for l, b in demands), default=0)
+            work = self.core_work_ns(int(dur))
+            yield simpy.AllOf(env, [env.process(self._member_thread(self.cpus[self.cost.node_of(r)], work))
+                                    for r in op.group if r in self.ranks])
+            rv.done.succeed()
+            return
         yield env.timeout(latency)
         yield self.network.start(demands)
         rv.done.succeed()
+
+    def _member_thread(self, cpu: CpuScheduler, work_ns: int):
+        th = CpuThread()
+        yield from cpu.run(th, work_ns)
+        cpu.release(th)
 
     def run(self) -> SimResult:
         sims = {r: _RankSim(self, r) for r in sorted(self.ranks)}
@@ -653,6 +776,20 @@ class Simulator:
         step = max((s.result.end_ns for s in sims.values()), default=0)
         return SimResult(self.mode, {r: s.result for r, s in sims.items()}, step, oom=self.oom,
                          seed=self.config.seed, jitter=self.jitter)
+
+
+# Linux's time slice between runnable threads, for profiles that did not measure it:
+# EEVDF's base slice (0.75 ms x (1 + log2 cores), kernel/sched/fair.c) is enforced at
+# the scheduler tick, 4 ms at CONFIG_HZ=250; measured on the development machine: 3.95 ms
+# median runs of 4 spinning processes on 2 cores. `commsim calibrate` measures it.
+DEFAULT_TIME_SLICE_NS = 4_000_000
+
+
+def _oversubscribed(cost: CostModel) -> bool:
+    """A CPU backend with more ranks on a node than the node has cores."""
+    cores = getattr(cost, "cpu_cores", None)
+    per_node = getattr(cost, "ranks_per_node", None)
+    return bool(cost.synchronous_compute and cores and per_node and per_node > cores)
 
 
 def _shift(res: RankResult, t0: int) -> None:

@@ -111,3 +111,23 @@ def test_bad_profile(tmp_path):
     path.write_text(json.dumps({**PROFILE, "comm_slowdown": -1}))
     with pytest.raises(CommsimInputError, match=r"p.json: field 'comm_slowdown' must be a positive number, got -1"):
         load_profile(path)
+
+
+def test_profile_host_allocations_by_measured_size(tmp_path):
+    """Below glibc's mmap threshold a host allocation reuses heap pages; above it, fresh
+    pages: the measured table is interpolated by size, not one line through both."""
+    path = tmp_path / "p.json"
+    points = [[1 << 20, 1e-4], [30 << 20, 3e-3], [34 << 20, 2e-2], [64 << 20, 4e-2]]
+    path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "malloc_ns_per_byte": 1.0,
+                                                     "points": points}}))
+    p = load_profile(path)
+    assert p.host_malloc_ns(1 << 20) == 100_000
+    assert p.host_malloc_ns(4 << 20) == int((1e-4 + (3e-3 - 1e-4) * 3 / 29) * 1e9)
+    assert p.host_malloc_ns(32 << 20) == int((3e-3 + (2e-2 - 3e-3) / 2) * 1e9)
+    assert p.host_malloc_ns(128 << 20) == int(4e-2 * 2 * 1e9)  # beyond: the largest size's cost per byte
+    assert p.host_malloc_ns(1 << 10) == int(1e-4 * 1e9)  # below: the smallest's cost
+    path.write_text(json.dumps({**PROFILE}))
+    assert load_profile(path).host_malloc_ns(1 << 20) == 5000  # no table: the line
+    path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": [[1, 2, 3]]}}))
+    with pytest.raises(CommsimInputError, match=r"p.json: alloc.points must be a list of \[bytes, seconds\] pairs"):
+        load_profile(path)

@@ -44,6 +44,30 @@ def test_quick_calibration_then_predict(tmp_path):
     assert json.loads(res.stdout)["step_time_s"] > 0
 
 
+def test_calibrate_and_execute_under_torchrun(tmp_path):
+    """On a real cluster both run as ranks of a job torchrun (or srun) started: rank,
+    world, rendezvous and ranks per node come from the environment; rank 0 writes."""
+    sched, prof, meas = tmp_path / "s.json", tmp_path / "p.json", tmp_path / "m.json"
+    out = subprocess.run([sys.executable, "-m", "commsim.cli", "schedule", "--model", "tiny", "--nodes", "1",
+                          "--gpus-per-node", "2", "--micro-batch", "1", "--seq", "8", "-o", str(sched)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "commsim.cli"]
+    out = subprocess.run(torchrun + ["calibrate", "--quick", "-o", str(prof)], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "hardware profile of 2 gloo ranks (from the environment)" in out.stdout
+    p = load_profile(prof)
+    assert p.ranks_per_node == 2 and set(p.collectives["all_gather"]) == {2}
+    assert len(p.alloc_points) == 4  # quick: 4 sizes, across glibc's mmap threshold
+    out = subprocess.run(torchrun + ["execute", str(sched), "--steps", "1", "--warmup", "0", "-o", str(meas)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    t = Trace.load(meas)
+    assert t.meta.source is TraceSource.MEASURED and {r.rank for r in t.records} == {0, 1}
+
+
 TRACES = sorted((ROOT / "traces" / "local-cpu").glob("*.json.gz"))
 
 

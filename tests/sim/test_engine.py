@@ -155,3 +155,52 @@ def test_host_malloc_costs_every_allocation():
     res = run(Schedule.uniform(1, prog), costs=costs)
     per = 1000 + int(0.001 * (1 << 20))  # no cache: both pay base + per-byte cost
     assert [(r.start_ns, r.end_ns) for r in res.ranks[0].records] == [(0, per), (per, 2 * per)]
+
+
+def test_cpu_scheduler_round_robin_in_time_slices():
+    """Threads share one core in 4 ns slices; a thread that wakes is served before those
+    whose slice ran out (they queue behind it), and a lone thread keeps its core."""
+    import simpy
+
+    from commsim.sim.engine import CpuScheduler, CpuThread
+
+    env = simpy.Environment()
+    cpu = CpuScheduler(env, cores=1, slice_ns=4)
+    done = {}
+
+    def thread(name, start, work):
+        yield env.timeout(start)
+        th = CpuThread()
+        yield from cpu.run(th, work)
+        cpu.release(th)
+        done[name] = env.now
+
+    for name, start, work in (("a", 0, 10), ("b", 0, 10), ("c", 0, 10), ("d", 5, 1), ("e", 40, 9)):
+        env.process(thread(name, start, work))
+    env.run()
+    # a 0-4, b 4-8, c 8-12 (queued since 0), d 12-13 (woke at 5, ahead of a and b, whose
+    # slices ran out), a 13-17, b 17-21, c 21-25, a 25-27, b 27-29, c 29-31; e runs alone
+    assert done == {"d": 13, "a": 27, "b": 29, "c": 31, "e": 49}
+
+
+def test_more_ranks_than_cores_are_time_sliced():
+    """A CPU profile with 4 ranks on a 2-core node: every cost was measured with all 4
+    ranks busy (half a core each), so each rank's kernel is half its measured time of one
+    core's work; two ranks run while two wait, and the step takes the measured time."""
+    costs = FixedCosts(gpus_per_node=4)
+    costs.synchronous_compute = True
+    costs.ranks_per_node = 4
+    costs.cpu_cores = 2
+    costs.time_slice_ns = 4
+    prog = Program((), (comp(1, 8),))
+    res = run(Schedule.uniform(4, prog), mode="auto", costs=costs)
+    assert res.mode == "per-rank" and res.step_time_ns == 8
+    assert events(res) == [(0, 4, 0, C, "c1"), (0, 4, 1, C, "c1"), (0, 8, 2, C, "c1"), (0, 8, 3, C, "c1")]
+    # A collective is its members' backend threads, each needing its share of a core: 4
+    # members x 25 ns of one core's work on 2 cores take the measured 50 ns.
+    prog = Program((), (coll(1, 50, (0, 1, 2, 3), stream=C), comp(2, 8)))
+    res = run(Schedule.uniform(4, prog), mode="auto", costs=costs)
+    assert res.step_time_ns == 50 + 8
+    costs.cpu_cores = 4  # a core per rank: no scheduling, one rank simulated
+    res = run(Schedule.uniform(4, Program((), (comp(1, 8),))), mode="auto", costs=costs)
+    assert res.mode == "symmetric" and res.step_time_ns == 8
