@@ -4,10 +4,14 @@
     python bench/validate_local.py --quick         # 8 rows, shorter runs
     python bench/validate_local.py --traces traces # also keep the measured traces there
 
-Steps: ``commsim calibrate`` for 2 and for 4 local gloo ranks (timing, besides its
-generic benchmarks, the exact GEMM shapes of the rows: ``--schedule``); then, for every row of
-the grid, generate the schedule, predict it with the matching profile, run it for real
-with ``commsim execute`` and compare step times. Rows marked ``deepspeed`` run real
+Steps, for every row of the grid: ``commsim calibrate`` with the row's ranks (timing,
+besides its generic benchmarks, the exact GEMM shapes of the row: ``--schedule``), right
+before the row runs; generate the schedule, predict it with that profile, run it for
+real with ``commsim execute`` and compare step times. Calibrating right before each row
+keeps calibration and measurement in the same machine state: on the development VM the
+same GEMM ran 4.4 ms and 6.7 ms in back-to-back trials (its vCPUs share physical cores
+with other tenants), so a profile measured once drifts by 10-20% over a 15-minute grid.
+``--calibrate-once`` calibrates once per rank count and link instead (faster). Rows marked ``deepspeed`` run real
 DeepSpeed (DS_ACCELERATOR=cpu, gloo) on the same model and config instead of our
 executor, timing its steps; their prediction uses host costs that calibrate measured
 from DeepSpeed itself (on a different, tiny model). Rows marked ``slow-link`` /
@@ -80,6 +84,11 @@ GRID = [
 # makes the small model's ZeRO-3 step communication-bound on this machine.
 LINK_RATE = {"slow-link": "1gbit", "fast-link": None}
 NS_ADDR = ("10.77.0.1", "10.77.0.2")
+
+
+def row_key(row: Row):
+    """What a row's calibration depends on: its rank count, or its emulated link."""
+    return row.runner if row.runner in LINK_RATE else row.ranks
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: int = 1800) -> str:
@@ -177,6 +186,8 @@ def main() -> None:
     ap.add_argument("--traces", help="copy each row's measured trace into this folder")
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--only", help="comma-separated runners to keep: executor, deepspeed, slow-link, fast-link")
+    ap.add_argument("--calibrate-once", action="store_true",
+                    help="one calibration per rank count and link before the rows, not one per row")
     args = ap.parse_args()
     rows = [r for r in GRID if not (args.quick and (r.ranks > 2 or r.runner == "deepspeed"))]
     if args.skip_deepspeed:
@@ -193,32 +204,52 @@ def main() -> None:
     # Each row's GEMM shapes, so calibration times the very kernels the rows will run
     # (calibrate --schedule); host costs do not change shapes, so no profile is needed yet.
     shape_files: dict = {}
+    row_shapes: list[list[str]] = []
     for i, row in enumerate(rows):
         sc = Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=ds_config(row), seq=row.seq,
                       preset=row.preset)
         path = work / f"shapes{i}.json"
         save_schedule(build_schedule(sc)[0], path)
-        key = row.runner if row.runner in LINK_RATE else row.ranks
-        shape_files.setdefault(key, []).extend(["--schedule", str(path)])
-    for ranks in sorted({r.ranks for r in rows if r.runner not in LINK_RATE}):
-        profiles[ranks] = work / f"profile{ranks}.json"
-        extra = ["--deepspeed-host-costs"] if any(r.runner == "deepspeed" and r.ranks == ranks for r in rows) else []
-        print(f"calibrating {ranks} ranks ...", flush=True)
-        commsim("calibrate", "--nproc-per-node", str(ranks), "-o", str(profiles[ranks]), *extra,
-                *shape_files.get(ranks, []))
+        shape_files.setdefault(row_key(row), []).extend(["--schedule", str(path)])
+        row_shapes.append(["--schedule", str(path)])
     links: dict[str, LinkedNamespaces] = {}
     for kind in sorted({r.runner for r in rows if r.runner in LINK_RATE}):
         links[kind] = LinkedNamespaces(kind.split("-")[0], LINK_RATE[kind]).__enter__()
         atexit.register(links[kind].__exit__, None, None, None)  # namespaces go even if a row fails
-        print(f"calibrating 2 ranks over the {kind} ({LINK_RATE[kind] or 'unlimited'} veth) ...", flush=True)
-        profiles[kind] = work / f"profile-{kind}.json"
-        links[kind].run_ranks(["calibrate", "-o", str(profiles[kind]), *shape_files.get(kind, [])])
+
+    def calibrate(key, out: Path, shapes: list[str]) -> None:
+        """key: a rank count (loopback ranks) or a link runner (ranks in namespaces)."""
+        if key in LINK_RATE:
+            links[key].run_ranks(["calibrate", "-o", str(out), *shapes])
+        else:
+            commsim("calibrate", "--nproc-per-node", str(key), "-o", str(out), *shapes)
+
+    host_costs = None
+    if any(r.runner == "deepspeed" for r in rows):
+        # DeepSpeed's own per-hook Python costs: measured once (they run DeepSpeed itself)
+        print("measuring DeepSpeed's host costs ...", flush=True)
+        base = work / "profile-deepspeed.json"
+        commsim("calibrate", "--nproc-per-node", "2", "--deepspeed-host-costs", "-o", str(base))
+        host_costs = json.loads(base.read_text())["host_costs"]
+    if args.calibrate_once:
+        for key in sorted({row_key(r) for r in rows}, key=str):
+            profiles[key] = work / f"profile-{key}.json"
+            print(f"calibrating {key} ...", flush=True)
+            calibrate(key, profiles[key], shape_files.get(key, []))
     results = []
     print(f"{'row':<28}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}", flush=True)
     for i, row in enumerate(rows):
         cfg_path = work / f"ds{i}.json"
         cfg_path.write_text(json.dumps(ds_config(row)))
-        profile = profiles[row.runner] if row.runner in LINK_RATE else profiles[row.ranks]
+        if args.calibrate_once:
+            profile = profiles[row_key(row)]
+        else:
+            profile = work / f"profile{i}.json"
+            calibrate(row_key(row), profile, row_shapes[i])
+        if row.runner == "deepspeed":
+            obj = json.loads(profile.read_text())
+            obj["host_costs"] = host_costs
+            profile.write_text(json.dumps(obj, indent=1))
         sc = Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=str(cfg_path), seq=row.seq,
                       preset=row.preset, hw_profile=str(profile))
         schedule = build_schedule(sc)[0]
@@ -241,8 +272,7 @@ def main() -> None:
                 from commsim.ir.trace import Trace
 
                 Trace.load(out).save(dest / (row.name.replace(" ", "_") + ".json.gz"))
-                name = row.runner if row.runner in LINK_RATE else f"{row.ranks}ranks"
-                shutil.copy(profile, dest / f"profile-{name}.json")
+                shutil.copy(profile, dest / (row.name.replace(" ", "_") + ".profile.json"))
         err = (pred - meas) / meas
         results.append((row, pred, meas, err))
         print(f"{row.name:<28}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}", flush=True)
