@@ -238,6 +238,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(pred.title)
     mode = ("symmetric: one rank simulated for identical ranks" if m.mode == "symmetric"
             else f"per-rank: {len(pred.result.ranks)} ranks simulated, jitter {m.jitter:.1%}")
+    if pred.result.cpu_sharing:
+        mode += f"; {pred.result.cpu_sharing}"
     print(f"mode: {mode}; seed {m.seed}")
     if m.oom:
         print(f"OUT OF MEMORY: {m.oom}")

@@ -104,6 +104,7 @@ class SimResult:
     oom: str | None = None
     seed: int = 0
     jitter: float = 0.0
+    cpu_sharing: str = ""  # with more ranks than cores: how the simulated scheduler shared them
 
 
 class _Rendezvous:
@@ -645,10 +646,13 @@ class Simulator:
         self._members: dict[tuple[int, ...], int] = {}
         self._stream_comm: dict[int, dict[str, str]] = {}
         self.cpus: dict[int, CpuScheduler] = {}
+        self.cpu_sharing = ""
         if oversubscribed and mode == "per-rank":
             slice_ns = int(getattr(cost, "time_slice_ns", 0) or DEFAULT_TIME_SLICE_NS)
             self.cpus = {n: CpuScheduler(self.env, cost.cpu_cores, slice_ns) for n in self.nodes}
             self._core_share = cost.cpu_cores / cost.ranks_per_node
+            self.cpu_sharing = (f"{cost.ranks_per_node} ranks per node time-sliced on {cost.cpu_cores} cores "
+                                f"({slice_ns / 1e6:.2f} ms slices)")
 
     def core_work_ns(self, measured_ns: int) -> int:
         """A cost measured with every rank of the node busy at once, as one core's work:
@@ -775,7 +779,7 @@ class Simulator:
             s.result.end_ns = max(ends) if ends else 0
         step = max((s.result.end_ns for s in sims.values()), default=0)
         return SimResult(self.mode, {r: s.result for r, s in sims.items()}, step, oom=self.oom,
-                         seed=self.config.seed, jitter=self.jitter)
+                         seed=self.config.seed, jitter=self.jitter, cpu_sharing=self.cpu_sharing)
 
 
 # Linux's time slice between runnable threads, for profiles that did not measure it:

@@ -195,6 +195,7 @@ def test_more_ranks_than_cores_are_time_sliced():
     prog = Program((), (comp(1, 8),))
     res = run(Schedule.uniform(4, prog), mode="auto", costs=costs)
     assert res.mode == "per-rank" and res.step_time_ns == 8
+    assert res.cpu_sharing == "4 ranks per node time-sliced on 2 cores (0.00 ms slices)"
     assert events(res) == [(0, 4, 0, C, "c1"), (0, 4, 1, C, "c1"), (0, 8, 2, C, "c1"), (0, 8, 3, C, "c1")]
     # A collective is its members' backend threads, each needing its share of a core: 4
     # members x 25 ns of one core's work on 2 cores take the measured 50 ns.
@@ -203,4 +204,4 @@ def test_more_ranks_than_cores_are_time_sliced():
     assert res.step_time_ns == 50 + 8
     costs.cpu_cores = 4  # a core per rank: no scheduling, one rank simulated
     res = run(Schedule.uniform(4, Program((), (comp(1, 8),))), mode="auto", costs=costs)
-    assert res.mode == "symmetric" and res.step_time_ns == 8
+    assert res.mode == "symmetric" and res.step_time_ns == 8 and res.cpu_sharing == ""
