@@ -25,7 +25,7 @@ def _with_step(schedule: Schedule, rank: int, step: list[O.Op]) -> Schedule:
     return Schedule.from_rank_programs(programs, schedule.meta)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(schedules(min_world=2), st.data())
 def test_swapped_collective_order_is_found(schedule, data):
     rank = data.draw(st.integers(0, schedule.world_size - 1))
@@ -46,7 +46,7 @@ def test_swapped_collective_order_is_found(schedule, data):
     assert findings[0].section == "step"
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(schedules(), st.data())
 def test_missing_dependency_target_is_found(schedule, data):
     rank = data.draw(st.integers(0, schedule.world_size - 1))
@@ -60,7 +60,7 @@ def test_missing_dependency_target_is_found(schedule, data):
                for f in findings)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(schedules(), st.data())
 def test_cycle_is_found(schedule, data):
     rank = data.draw(st.integers(0, schedule.world_size - 1))
@@ -74,7 +74,7 @@ def test_cycle_is_found(schedule, data):
     assert findings[0].check == "dependency" and "cycle" in findings[0].message
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(schedules(), st.data())
 def test_double_free_is_found(schedule, data):
     rank = data.draw(st.integers(0, schedule.world_size - 1))
@@ -87,7 +87,7 @@ def test_double_free_is_found(schedule, data):
     assert findings[0].op_index == i + 1 and "twice" in findings[0].message
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(schedules(), st.data())
 def test_use_before_alloc_is_found(schedule, data):
     rank = data.draw(st.integers(0, schedule.world_size - 1))

@@ -48,7 +48,7 @@ ZERO_KEYS = st.fixed_dictionaries({}, optional={
 })
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(small_models(), st.integers(1, 4), ZERO_KEYS, st.sampled_from(["baseline", "optimized"]), st.booleans(),
        st.integers(1, 2), st.sampled_from(["bf16", "fp16"]))
 def test_every_generated_schedule_is_valid_and_reduces_each_gradient_once(md, world, zero, preset, ckpt, gas, prec):
