@@ -292,9 +292,10 @@ class Calibrator:
         steady state like a training step's: each round allocates every size in turn,
         holds them all, then frees them. Returns the latency-bandwidth line and the
         per-size table. On GPUs the cache is emptied between rounds, so each round times
-        cudaMalloc itself (what a cache miss costs). On CPUs the table matters: glibc reuses heap pages below its
-        mmap threshold (up to 32 MiB) and maps fresh ones above it, so the cost per byte
-        jumps about 6x across it; sizes on both sides of 32 MiB are measured."""
+        cudaMalloc itself (what a cache miss costs). On CPUs the table matters: glibc
+        reuses heap pages below its mmap threshold (up to 32 MiB) and maps fresh ones
+        above it, so the cost per byte jumps about 6x across it; sizes on both sides of
+        32 MiB are measured."""
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 30 << 20, 34 << 20, 64 << 20]
         if self.quick:
             sizes = [4 << 10, 1 << 20, 16 << 20, 34 << 20]
@@ -317,9 +318,9 @@ class Calibrator:
             if self.gpu:  # each round's allocations are cudaMalloc calls, not cache hits
                 self.sync()
                 torch.cuda.empty_cache()
-        med = torch.tensor([statistics.fmean(times[n]) for n in sizes], dtype=torch.float64)  # see _together
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        pts = [(float(n), float(t)) for n, t in zip(sizes, med.tolist())]
+        mean = torch.tensor([statistics.fmean(times[n]) for n in sizes], dtype=torch.float64)  # see _together
+        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+        pts = [(float(n), float(t)) for n, t in zip(sizes, mean.tolist())]
         a, bw = _latency_bandwidth(pts)
         self.log("allocation: " + ", ".join(f"{n / 2**20:g} MiB {t * 1e3:.2f} ms" for n, t in pts))
         return a, 1.0 / bw, [[int(x), y] for x, y in pts]

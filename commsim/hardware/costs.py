@@ -52,12 +52,13 @@ class CostModel(Protocol):
     def collective(self, op: O.Collective) -> CollectivePlan: ...
     def link_capacity(self, link: Link) -> float: ...
     def node_of(self, rank: int) -> int: ...
+    def host_malloc_ns(self, size_bytes: int) -> int: ...  # an allocation with no cache in front
     comm_slowdown: float
     comm_slowdown_during_compute: float
     issue_ns: int
     malloc_syncs_device: bool
     synchronous_compute: bool  # kernels run on the host thread (CPUs) rather than queued on a device
-    caching_allocator: bool  # False: every allocation costs malloc_base_ns + malloc_ns_per_byte * size
+    caching_allocator: bool  # False: every allocation costs host_malloc_ns(size)
     hbm_bytes: int
     malloc_base_ns: int
     malloc_ns_per_byte: float
@@ -120,6 +121,9 @@ class SpecCostModel:
         return SMALL_COPY_LATENCY_NS + int(op.size_bytes / self.cluster.node.pcie_bw_bytes_per_s * 1e9)
 
     # ------------------------------------------------------------ collectives
+    def host_malloc_ns(self, size_bytes: int) -> int:
+        return self.malloc_base_ns + int(self.malloc_ns_per_byte * size_bytes)
+
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 

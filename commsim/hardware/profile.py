@@ -66,15 +66,17 @@ class CollectiveFit:
     def seconds(self, size_bytes: float) -> float:
         """Transfer time beyond the latency: piecewise linear between measured sizes,
         the last segment's slope beyond them; the latency-bandwidth fit without points."""
-        pts = self.points
-        if len(pts) < 2:
+        if len(self.points) < 2:
             return size_bytes / self.bytes_per_s
-        lat = pts[0][1]
-        i = bisect.bisect_left([x for x, _ in pts], size_bytes)
-        i = min(max(i, 1), len(pts) - 1)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        t = y0 + (y1 - y0) * (size_bytes - x0) / (x1 - x0)
-        return max(0.0, t - lat)
+        return max(0.0, _piecewise(self.points, size_bytes) - self.points[0][1])
+
+
+def _piecewise(pts: tuple[tuple[float, float], ...], x: float) -> float:
+    """Linear between the measured (x, y) points (ascending, at least two); the first or
+    last segment extended beyond them."""
+    i = min(max(bisect.bisect_left([p for p, _ in pts], x), 1), len(pts) - 1)
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)
@@ -113,14 +115,12 @@ class HardwareProfile:
         pts = self.alloc_points
         if len(pts) < 2:
             return self.malloc_base_ns + int(self.malloc_ns_per_byte * size_bytes)
-        xs = [x for x, _ in pts]
-        i = min(max(bisect.bisect_left(xs, size_bytes), 1), len(pts) - 1)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        if size_bytes > x1:  # beyond the largest measured size: its cost per byte
-            return int(y1 * size_bytes / x1 * 1e9)
-        if size_bytes < x0:  # below the smallest: a fixed cost dominates there
-            return int(y0 * 1e9)
-        return max(0, int((y0 + (y1 - y0) * (size_bytes - x0) / (x1 - x0)) * 1e9))
+        (x_lo, y_lo), (x_hi, y_hi) = pts[0], pts[-1]
+        if size_bytes > x_hi:  # beyond the largest measured size: its cost per byte
+            return int(y_hi * size_bytes / x_hi * 1e9)
+        if size_bytes < x_lo:  # below the smallest: a fixed cost dominates there
+            return int(y_lo * 1e9)
+        return max(0, int(_piecewise(pts, size_bytes) * 1e9))
 
     @property
     def synchronous_compute(self) -> bool:
@@ -156,10 +156,7 @@ class HardwareProfile:
         pts = self.elementwise_points
         if len(pts) < 2:
             return nbytes / self.elementwise_bytes_per_s
-        lat = pts[0][1]
-        i = min(max(bisect.bisect_left([x for x, _ in pts], nbytes), 1), len(pts) - 1)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        return max(0.0, y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0) - lat)
+        return max(0.0, _piecewise(pts, nbytes) - pts[0][1])
 
     def compute_ns(self, op: O.Compute) -> int:
         mem_s = self._memory_s(op.bytes_read + op.bytes_written)

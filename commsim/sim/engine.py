@@ -424,22 +424,26 @@ class _RankSim:
         env, cost = self.env, self.sim.cost
         if isinstance(op, O.Compute):
             dur = cost.compute_ns(op)
-            if self.cpu is not None:  # contention comes from the scheduler: one core's worth
-                dur = self.sim.core_work_ns(dur)
-            elif self.active_comm:
+            if self.active_comm and self.cpu is None:  # on a scheduled CPU, cores are shared instead
                 dur = int(dur * cost.comm_slowdown)
             if self.jitter:
                 dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
             if self.cpu is not None:
-                yield from self.cpu.run(self.thread, dur)
+                yield from self._on_core(dur)
                 return
             self.sim.compute_started(self.node)
             yield env.timeout(dur)
             self.sim.compute_ended(self.node)
-        elif self.cpu is not None:
-            yield from self.cpu.run(self.thread, self.sim.core_work_ns(cost.copy_ns(op)))
         else:
-            yield env.timeout(cost.copy_ns(op))
+            yield from self._on_core(cost.copy_ns(op))
+
+    def _on_core(self, measured_ns: int):
+        """Host-thread work of a measured cost: on a scheduled CPU, one core's worth of it
+        run by the scheduler (costs were measured with every rank busy); else its time."""
+        if self.cpu is None:
+            yield self.env.timeout(measured_ns)
+        else:
+            yield from self.cpu.run(self.thread, self.sim.core_work_ns(measured_ns))
 
     def _run_on_host(self, op: O.Op):
         """A CPU device: the kernel runs on the host thread once its inputs are ready."""
@@ -515,13 +519,7 @@ class _RankSim:
         elif not cost.caching_allocator:
             # host malloc, every time (the block bookkeeping still gives peaks): priced by
             # size where the profile measured it (heap reuse vs fresh mmapped pages)
-            per_size = getattr(cost, "host_malloc_ns", None)
-            ns = per_size(op.size_bytes) if per_size is not None else \
-                cost.malloc_base_ns + int(cost.malloc_ns_per_byte * op.size_bytes)
-            if self.cpu is not None:
-                yield from self.cpu.run(self.thread, self.sim.core_work_ns(ns))
-            else:
-                yield env.timeout(ns)
+            yield from self._on_core(cost.host_malloc_ns(op.size_bytes))
         else:
             yield env.timeout(self.sim.config.alloc_hit_ns)
         self.blocks[op.buffer] = res.block

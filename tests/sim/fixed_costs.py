@@ -30,6 +30,9 @@ class FixedCosts:
     def copy_ns(self, op):
         return op.size_bytes
 
+    def host_malloc_ns(self, size_bytes):
+        return self.malloc_base_ns + int(self.malloc_ns_per_byte * size_bytes)
+
     def node_of(self, rank):
         return rank // self.gpus_per_node
 
