@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the last step on rank 0 (top 25 by time)")
     ap.add_argument("--mark-modules", action="store_true",
                     help="under commsim record: insert a marker per module hook (which module sent what)")
+    ap.add_argument("--build-shm-comm", action="store_true",
+                    help="let DeepSpeed build its CPU shared-memory all-reduce op (inference only; skipped by default)")
     args = ap.parse_args()
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -44,6 +46,18 @@ def main() -> None:
         ds_cfg = json.load(f)
     ds_cfg.setdefault("zero_allow_untested_optimizer", True)
     micro = ds_cfg.get("train_micro_batch_size_per_gpu", 1)
+    if os.environ["DS_ACCELERATOR"] == "cpu" and not args.build_shm_comm:
+        # DeepSpeed's CPU backend JIT-compiles its shared-memory all-reduce at start-up
+        # (deepspeed/comm/torch.py build_shm_op; about 50 s on 2 cores on a fresh
+        # machine). Only inference_all_reduce (tensor-parallel inference) calls it;
+        # ZeRO training communicates through torch.distributed, so skipping the build
+        # changes nothing that is measured.
+        import importlib
+
+        # (not ``import deepspeed.comm.torch as``: deepspeed.comm's name ``torch`` is torch)
+        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+        if hasattr(ds_comm_torch, "build_shm_op"):
+            ds_comm_torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo", timeout=__import__("datetime").timedelta(seconds=120))
     torch.manual_seed(0)
     cfg = resolve_model(args.model)
