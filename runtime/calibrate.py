@@ -13,7 +13,8 @@ Measured:
   assuming one kind from another (gloo's reduce-scatter, for one, costs an all-reduce);
 * how much slower compute runs while a collective is in flight, and the reverse;
 * the executor's own per-op costs: host time to issue a device op, and per-op overhead;
-* allocation cost by size, in a step-like steady state (heap reuse vs fresh pages);
+* allocation cost by size, in a step-like steady state (heap reuse vs fresh pages),
+  and on CPUs what the first write of a fresh page costs;
 * on CPUs, the cores and, with more ranks than cores, the OS time slice.
 """
 
@@ -325,6 +326,36 @@ class Calibrator:
         self.log("allocation: " + ", ".join(f"{n / 2**20:g} MiB {t * 1e3:.2f} ms" for n, t in pts))
         return a, 1.0 / bw, [[int(x), y] for x, y in pts]
 
+    def first_touch(self) -> float:
+        """Host memory: seconds per byte that a fresh page's first write costs over a
+        write to touched memory, plus its unmap at free. A block above glibc's mmap
+        threshold is fresh pages: ``torch.empty`` costs nothing until it is written,
+        then each page faults and the kernel zeroes it. Frameworks allocate such
+        blocks and write only part of them (DeepSpeed's gradient bucket). Measured
+        as fill(empty(n)) - fill again + free, n = 64 MiB. GPUs: 0 (device memory
+        is mapped whole by cudaMalloc)."""
+        if self.gpu:
+            return 0.0
+        n = 64 << 20
+        rounds = 3 if self.quick else 6
+        per_round = []
+        for r in range(rounds + 1):
+            dist.barrier()
+            x = torch.empty(n, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            x.fill_(1)
+            t1 = time.perf_counter()
+            x.fill_(2)
+            t2 = time.perf_counter()
+            del x
+            t3 = time.perf_counter()
+            if r:  # the first round warms the code path up
+                per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n)
+        mean = torch.tensor([max(0.0, statistics.fmean(per_round))], dtype=torch.float64)  # see _together
+        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+        self.log(f"first touch of fresh pages: {mean.item() * 1e9:.3f} ns/B")
+        return float(mean.item())
+
     # ------------------------------------------------------------ all
     def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -336,6 +367,7 @@ class Calibrator:
         slow_c, slow_n = self.contention()
         issue_ns, per_op_ns = self.executor_overheads()
         alloc_a, alloc_per_byte, alloc_points = self.alloc()
+        first_touch = self.first_touch()
         cores = _cpu_cores()
         slice_ns = self.time_slice(cores)
         mem_total = torch.cuda.get_device_properties(self.device).total_memory if self.gpu else _host_memory()
@@ -361,7 +393,8 @@ class Calibrator:
             **({} if self.gpu else {"cpu_cores": cores}),
             **({"time_slice_ns": slice_ns} if slice_ns else {}),
             "alloc": {"malloc_base_ns": int(alloc_a * 1e9), "malloc_ns_per_byte": alloc_per_byte * 1e9,
-                      "free_base_ns": int(alloc_a * 1e9), "free_ns_per_byte": 0.0, "points": alloc_points},
+                      "free_base_ns": int(alloc_a * 1e9), "free_ns_per_byte": 0.0, "points": alloc_points,
+                      "first_touch_ns_per_byte": first_touch * 1e9},
         }
 
 

@@ -171,11 +171,15 @@ class RankExecutor:
     def _alloc(self, op: O.Alloc) -> None:
         if self.gpu:
             self.buffers[op.buffer] = torch.empty(op.size_bytes, dtype=torch.uint8, device=self.device)
-        else:
+        elif op.touch_bytes is None:
             # Host memory comes fresh from the OS for large blocks (no caching allocator in
             # front of malloc): touch it now, so its page faults are paid by the allocation
             # rather than by whichever kernel or collective writes it first.
             self.buffers[op.buffer] = torch.zeros(op.size_bytes, dtype=torch.uint8)
+        else:  # only part of it is ever written: touch that part, as the model prices it
+            buf = torch.empty(op.size_bytes, dtype=torch.uint8)
+            buf[:op.touch_bytes].zero_()
+            self.buffers[op.buffer] = buf
         self.buffer_streams[op.buffer] = set()
 
     def _tensor(self, names: tuple[str, ...], nbytes: int, dtype: torch.dtype) -> torch.Tensor:

@@ -52,7 +52,8 @@ class CostModel(Protocol):
     def collective(self, op: O.Collective) -> CollectivePlan: ...
     def link_capacity(self, link: Link) -> float: ...
     def node_of(self, rank: int) -> int: ...
-    def host_malloc_ns(self, size_bytes: int) -> int: ...  # an allocation with no cache in front
+    # an allocation with no cache in front, of which touch_bytes (None: all) get written
+    def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int: ...
     comm_slowdown: float
     comm_slowdown_during_compute: float
     issue_ns: int
@@ -121,7 +122,8 @@ class SpecCostModel:
         return SMALL_COPY_LATENCY_NS + int(op.size_bytes / self.cluster.node.pcie_bw_bytes_per_s * 1e9)
 
     # ------------------------------------------------------------ collectives
-    def host_malloc_ns(self, size_bytes: int) -> int:
+    def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int:
+        # cudaMalloc maps the whole segment whatever is written later
         return self.malloc_base_ns + int(self.malloc_ns_per_byte * size_bytes)
 
     def node_of(self, rank: int) -> int:

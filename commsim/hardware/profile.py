@@ -79,6 +79,12 @@ def _piecewise(pts: tuple[tuple[float, float], ...], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+# glibc malloc.c DEFAULT_MMAP_THRESHOLD_MAX (4 MiB * sizeof(long): 32 MiB on 64-bit):
+# the dynamic mmap threshold never exceeds it, so larger blocks are always mmapped,
+# fresh pages (calibrate's allocation table shows the jump across it).
+GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     description: str
@@ -108,10 +114,25 @@ class HardwareProfile:
     # (measured by calibrate). More ranks than cores: the simulator time-slices them.
     cpu_cores: int | None = None
     time_slice_ns: int = 0
+    # host memory: the first write of a fresh page (fault, kernel zeroing) and its unmap
+    # at free, per byte, over what a write to touched memory costs (calibrate measures
+    # it; 0: not measured, the allocation table's large-size cost per byte stands in)
+    first_touch_ns_per_byte: float = 0.0
 
-    def host_malloc_ns(self, size_bytes: int) -> int:
+    def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int:
         """An allocation without a caching allocator in front: measured by size when
-        calibrate recorded points, else the latency-bandwidth line."""
+        calibrate recorded points, else the latency-bandwidth line. The table was
+        measured with zero-filled blocks (every page written). A block of which only
+        ``touch_bytes`` are ever written: above glibc's mmap threshold it is fresh pages
+        and pays the first touch of what is written; below it the heap's pages are
+        already touched and only the fixed cost remains."""
+        if touch_bytes is not None and touch_bytes < size_bytes and len(self.alloc_points) >= 2:
+            x_lo, y_lo = self.alloc_points[0]
+            if size_bytes <= GLIBC_MMAP_THRESHOLD_MAX_BYTES:
+                return int(y_lo * 1e9)
+            x_hi, y_hi = self.alloc_points[-1]
+            per_byte = self.first_touch_ns_per_byte or y_hi / x_hi * 1e9
+            return int(y_lo * 1e9 + per_byte * touch_bytes)
         pts = self.alloc_points
         if len(pts) < 2:
             return self.malloc_base_ns + int(self.malloc_ns_per_byte * size_bytes)
@@ -281,6 +302,8 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         alloc_points=_points(alloc.get("points", []), f"{where}: alloc.points"),
         cpu_cores=int(_num(obj, "cpu_cores", where)) if obj.get("cpu_cores") is not None else None,
         time_slice_ns=int(_num(obj, "time_slice_ns", where)) if obj.get("time_slice_ns") is not None else 0,
+        first_touch_ns_per_byte=_num(alloc, "first_touch_ns_per_byte", f"{where}: alloc", positive=False)
+        if "first_touch_ns_per_byte" in alloc else 0.0,
     )
 
 

@@ -185,13 +185,20 @@ class Copy:
 
 @dataclass(frozen=True, slots=True)
 class Alloc:
-    """A caching-allocator request by the host for ``stream``."""
+    """A caching-allocator request by the host for ``stream``.
+
+    ``touch_bytes``: how much of the block is ever written while it lives; None means
+    all of it. It matters without a caching allocator (CPUs): a large block comes as
+    fresh pages from the OS, and each page costs a fault on its first write, so a
+    ``torch.empty`` of which only part is written (DeepSpeed's 500M-element gradient
+    bucket, say) costs only what is written. The cost is charged at the allocation."""
 
     id: OpId
     stream: StreamName
     label: str
     buffer: BufferName
     size_bytes: int
+    touch_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,6 +106,8 @@ def _check_structure(program: Program, rank: int, world: int) -> list[Finding]:
             elif isinstance(op, (O.Copy, O.Alloc)):
                 if op.size_bytes <= 0:
                     bad(f"size_bytes must be positive, got {op.size_bytes}", "size")
+                elif isinstance(op, O.Alloc) and op.touch_bytes is not None and not 0 <= op.touch_bytes <= op.size_bytes:
+                    bad(f"touch_bytes must be within 0..size_bytes ({op.size_bytes}), got {op.touch_bytes}", "size")
             elif isinstance(op, O.HostWork):
                 if op.duration_ns < 0:
                     bad("duration_ns must not be negative", "size")

@@ -519,7 +519,7 @@ class _RankSim:
         elif not cost.caching_allocator:
             # host malloc, every time (the block bookkeeping still gives peaks): priced by
             # size where the profile measured it (heap reuse vs fresh mmapped pages)
-            yield from self._on_core(cost.host_malloc_ns(op.size_bytes))
+            yield from self._on_core(cost.host_malloc_ns(op.size_bytes, op.touch_bytes))
         else:
             yield env.timeout(self.sim.config.alloc_hit_ns)
         self.blocks[op.buffer] = res.block

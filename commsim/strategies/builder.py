@@ -30,8 +30,8 @@ class ProgramBuilder:
     def setup_alloc(self, buffer: str, size_bytes: int, label: str, stream: str = "compute") -> None:
         self.setup.append(O.Alloc(self._id(), stream, label, buffer, size_bytes))
 
-    def alloc(self, buffer: str, size_bytes: int, stream: str, label: str) -> O.OpId:
-        op = O.Alloc(self._id(), stream, label, buffer, size_bytes)
+    def alloc(self, buffer: str, size_bytes: int, stream: str, label: str, touch_bytes: int | None = None) -> O.OpId:
+        op = O.Alloc(self._id(), stream, label, buffer, size_bytes, touch_bytes)
         self.step.append(op)
         return op.id
 

@@ -17,10 +17,19 @@ zero/stage_1_and_2.py):
   gradient shares copied to the host as they are reduced): an overflow all-reduce (1 byte), the gradient-norm
   all-reduce (4 bytes, fp32), Adam on this rank's fp32 partition, then one all-gather
   of the updated 16-bit partitions (the whole model, padded to the world size).
+
+Stage 2 makes its gradient buffers afresh every step, and so does this lowering: the
+bucket buffer(s) (``setup_buckets``: ``torch.empty`` of ``reduce_bucket_size``
+elements, released in the backward epilogue; only the buckets' bytes are ever written,
+which the allocation's ``touch_bytes`` says), ``grads_in_partition`` (made at the
+step's first reduction), one fp64 copy per gradient piece for the norm, and the flat
+fp32 gradient the optimizer steps on. On GPUs the caching allocator serves them from
+its cache; on CPUs large ones are fresh pages, and their first writes dominate.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import ceil
 
 from commsim.ir import ops as O
@@ -57,6 +66,11 @@ class Zero12Lowering:
         self.padded_total = ceil(self.total / world_size) * world_size
         self.partition = self.padded_total // world_size if self.stage > 0 else self.total
         self.trace = [e for e in module_trace(md, checkpointing, checkpoint_style) if e.run]
+        # stage 2 without offload (stage_1_and_2.py): the gradient bucket(s) and the
+        # partition's gradients are fresh tensors every step, not persistent state
+        self.fresh_grads = self.stage == 2 and not self.offload
+        self.ipg = self.stage == 2 and z.contiguous_gradients
+        self.n_ipg = 2 if (self.ipg and z.overlap_comm) else 1  # double buffers when overlapped
 
     # ------------------------------------------------------------ state
     def _setup(self) -> None:
@@ -65,17 +79,67 @@ class Zero12Lowering:
         if not self.offload:  # offloaded, the fp32 master, Adam state and gradient live in host memory
             for state in ("fp32", "exp_avg", "exp_avg_sq"):
                 b.setup_alloc(state, self.partition * 4, f"fp32 {state} ({'partition' if self.stage else 'full'})")
-            b.setup_alloc("grad32", self.partition * 4, "fp32 gradient (partition)" if self.stage else "fp32 gradient")
-        if self.stage == 2 and self.z.contiguous_gradients:
-            b.setup_alloc("ipg_bucket", self.z.reduce_bucket_size * self.dt, "contiguous gradient bucket")
+            if not self.fresh_grads:
+                b.setup_alloc("grad32", self.partition * 4, "fp32 gradient (partition)" if self.stage else "fp32 gradient")
+
+    # ------------------------------------------------------------ per-step gradient buffers
+    def _alloc_ipg(self) -> None:
+        """setup_buckets, at the first gradient of a backward: torch.empty of
+        reduce_bucket_size elements per buffer (two when overlap_comm), released in the
+        epilogue. Only the buckets' bytes are ever written (see _touch_ipg)."""
+        for j in range(self.n_ipg):
+            self.ipg_alloc_at.append(len(self.b.step))
+            self.b.alloc(f"ipg_bucket{j}", self.z.reduce_bucket_size * self.dt, COMPUTE,
+                         f"contiguous gradient bucket {j} (torch.empty, per backward)", touch_bytes=0)
+        self.ipg_live = True
+        self.ipg_index = 0
+
+    def _free_ipg(self) -> None:
+        for j in range(self.n_ipg):
+            self.b.free(f"ipg_bucket{j}", self.rs_stream, f"contiguous gradient bucket {j} (epilogue)")
+        self.ipg_live = False
+
+    def _touch_ipg(self) -> None:
+        """Each bucket buffer's allocation learns how much of it was written: the largest
+        bucket placed in it (buckets refill a buffer from offset 0)."""
+        for pos in self.ipg_alloc_at:
+            op = self.b.step[pos]
+            j = int(op.buffer.removeprefix("ipg_bucket"))
+            self.b.step[pos] = replace(op, touch_bytes=min(op.size_bytes, self.ipg_touch[j]))
+
+    def _oversized(self, p: ParamSpec) -> bool:
+        """A gradient larger than the bucket bypasses the bucket buffer and is reduced
+        on its own (reduce_independent_p_g_buckets_and_remove_grads)."""
+        return p.numel > self.z.reduce_bucket_size
+
+    def _partition_pieces(self) -> list[int]:
+        """Element counts of the parameter pieces in rank 0's gradient partition (the
+        flat parameter order cut into equal partitions). The program is shared by all
+        ranks; the others' pieces differ only at the partition edges."""
+        pieces, start = [], 0
+        for p in self.params:
+            end = start + p.numel
+            if start < self.partition:
+                pieces.append(min(end, self.partition) - start)
+            start = end
+        return pieces
 
     # ------------------------------------------------------------ reduction
     def _reduce(self, params: list[ParamSpec], label: str) -> None:
         b, c, s = self.b, self.costs, self.rs_stream
         elems = sum(p.numel for p in params)
         wait = b.wait_stream(COMPUTE) if s != COMPUTE else ()
-        bufs = ("ipg_bucket",) if (self.stage == 2 and self.z.contiguous_gradients) else tuple(
-            f"grad:{p.name}" for p in params)
+        in_ipg = self.ipg and not self._oversized(params[0])  # an oversized gradient is a bucket of its own
+        bufs = (f"ipg_bucket{self.ipg_index}",) if in_ipg else tuple(f"grad:{p.name}" for p in params)
+        if in_ipg:
+            self.ipg_touch[self.ipg_index] = max(self.ipg_touch[self.ipg_index], elems * self.dt)
+        if self.stage == 2:
+            # average_tensor: the bucket divided by the world size in place, before the
+            # per-rank all-reduces
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            b.compute(s, f"{label}.average", O.ComputeKind.ELEMENTWISE, elems, elems * self.dt, elems * self.dt,
+                      deps=wait, buffers=bufs)
+            wait = ()
         flat = None
         if self.stage in (1, 2):
             # allreduce_bucket flattens the bucket into a new tensor first (stage_1_and_2.py)
@@ -103,6 +167,14 @@ class Zero12Lowering:
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.copy(s, f"{label}.offload_grad_d2h", O.CopyDirection.D2H, keep * 4, buffers=(tmp,))
             b.free(tmp, s, f"{label} fp32 share for the host")
+        elif self.fresh_grads:
+            # copy_grads_in_partition: into grads_in_partition, a torch.empty of the
+            # partition in the 16-bit dtype made at the step's first reduction
+            if not self.grad_partition_live:
+                b.alloc("grad_partition", self.partition * self.dt, s, "grads_in_partition (per step)")
+                self.grad_partition_live = True
+            b.compute(s, f"{label}.keep_partition", O.ComputeKind.ELEMENTWISE, keep, keep * self.dt, keep * self.dt,
+                      buffers=bufs + ("grad_partition",))
         else:
             b.compute(s, f"{label}.keep_partition", O.ComputeKind.ELEMENTWISE, keep, keep * self.dt + keep * 4,
                       keep * 4, buffers=bufs + ("grad32",))
@@ -160,15 +232,18 @@ class Zero12Lowering:
 
     def _grad_ready(self, p: ParamSpec, mb: str) -> None:
         self.b.host(f"grad hook {p.name}", O.HostKind.PYTHON, self.costs.grad_hook_ns)
+        if self.ipg and not self.ipg_live:
+            self._alloc_ipg()
         if self.bucket and self.bucket_elems + p.numel > self.z.reduce_bucket_size:
             self._reduce(self.bucket, f"{mb}bwd.ar{self._next()}")
             self.bucket, self.bucket_elems = [], 0
-        if self.z.contiguous_gradients:
+            self.ipg_index = (self.ipg_index + 1) % self.n_ipg if self.ipg else 0
+        if self.ipg and not self._oversized(p):
             b = self.b
             b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
             b.copy(self.rs_stream, f"grad to bucket {p.name}", O.CopyDirection.D2D, p.numel * self.dt,
                    deps=b.wait_stream(COMPUTE) if self.rs_stream != COMPUTE else (),
-                   buffers=(f"grad:{p.name}", "ipg_bucket"))
+                   buffers=(f"grad:{p.name}", f"ipg_bucket{self.ipg_index}"))
         self.bucket.append(p)
         self.bucket_elems += p.numel
 
@@ -178,7 +253,19 @@ class Zero12Lowering:
         if self.stage in (1, 2):
             b.reduce_to_host("optimizer.overflow_allreduce", 1, O.DType.UINT8, self.group, O.ReduceOp.MAX,
                              c.collective_launch_ns, "overflow .item()")
-            if not self.offload:  # offloaded, the norms were taken as the shares left the device
+            if self.fresh_grads:
+                # get_grad_norm_direct: each piece of the partition's gradients converted
+                # to fp64 (zero/utils.py get_norm_dtype), then its norm
+                for i, k in enumerate(self._partition_pieces()):
+                    b.alloc(f"norm64[{i}]", k * 8, COMPUTE, f"fp64 copy of gradient piece {i} for its norm")
+                    b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                    b.compute(COMPUTE, f"optimizer.grad_norm[{i}].to_fp64", O.ComputeKind.ELEMENTWISE, k, k * self.dt,
+                              k * 8, buffers=("grad_partition", f"norm64[{i}]"))
+                    b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                    b.compute(COMPUTE, f"optimizer.grad_norm[{i}]", O.ComputeKind.ELEMENTWISE, 2 * k, k * 8, 8,
+                              buffers=(f"norm64[{i}]",))
+                    b.free(f"norm64[{i}]", COMPUTE, f"fp64 gradient piece {i}")
+            elif not self.offload:  # offloaded, the norms were taken as the shares left the device
                 b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
                 b.compute(COMPUTE, "optimizer.grad_norm", O.ComputeKind.ELEMENTWISE, 2 * n, n * 4, 4,
                           buffers=("grad32",))
@@ -191,6 +278,26 @@ class Zero12Lowering:
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             cp = b.copy(COMPUTE, "optimizer.params_h2d", O.CopyDirection.H2D, n * self.dt, buffers=("params16",))
             b.sync_ops((cp,), "copy of the updated partition to the device")
+        elif self.fresh_grads:
+            # step(): the partition's gradients flattened into a fresh tensor, as fp32
+            # (a second pass when the gradients are 16-bit), the optimizer's .grad for
+            # this step only
+            b.alloc("grad32", n * 4, COMPUTE, "flat fp32 gradient of the partition (per step)")
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            if self.dt == 4:
+                b.copy(COMPUTE, "optimizer.flatten_grads", O.CopyDirection.D2D, n * 4,
+                       buffers=("grad_partition", "grad32"))
+            else:
+                b.alloc("grad_flat16", n * self.dt, COMPUTE, "flat 16-bit gradient of the partition")
+                b.copy(COMPUTE, "optimizer.flatten_grads", O.CopyDirection.D2D, n * self.dt,
+                       buffers=("grad_partition", "grad_flat16"))
+                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                b.compute(COMPUTE, "optimizer.grads_to_fp32", O.ComputeKind.ELEMENTWISE, n, n * self.dt, n * 4,
+                          buffers=("grad_flat16", "grad32"))
+                b.free("grad_flat16", COMPUTE, "flat 16-bit gradient")
+            b.free("grad_partition", COMPUTE, "grads_in_partition")
+            self.grad_partition_live = False
+            self._adam(n, free_grad=True)
         else:
             self._adam(n)
         if self.stage in (1, 2):
@@ -198,10 +305,12 @@ class Zero12Lowering:
             b.collective(COMPUTE, "optimizer.allgather_params", O.CollectiveKind.ALL_GATHER,
                          self.padded_total * self.dt, self.dtype, self.group, buffers=("params16",))
 
-    def _adam(self, n: int) -> None:
+    def _adam(self, n: int, free_grad: bool = False) -> None:
         b, c = self.b, self.costs
         adam_step(b, COMPUTE, "optimizer.adam", n, ("fp32", "exp_avg", "exp_avg_sq", "grad32"), self.ds.optimizer_impl,
                   c.launch_ns)
+        if free_grad:
+            b.free("grad32", COMPUTE, "fp32 gradient (.grad = None after the step)")
         b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
         b.compute(COMPUTE, "optimizer.copy_back", O.ComputeKind.ELEMENTWISE, n, 4 * n, self.dt * n,
                   buffers=("fp32", "params16"))
@@ -211,6 +320,10 @@ class Zero12Lowering:
         self.order = {p.name: i for i, p in enumerate(self.params)}
         self.n_ar = 0
         self.live_grads: set[str] = set()
+        self.ipg_live, self.ipg_index = False, 0
+        self.ipg_touch = [0] * self.n_ipg
+        self.ipg_alloc_at: list[int] = []
+        self.grad_partition_live = False
         for micro in range(self.grad_accum):
             mb = f"mb{micro}." if self.grad_accum > 1 else ""
             self.uses = {p.name: 0 for p in self.params}
@@ -227,6 +340,8 @@ class Zero12Lowering:
                 if self.bucket:  # epilogue: the last bucket
                     self._reduce(self.bucket, f"{mb}bwd.ar{self._next()}")
                 self.b.sync_stream(self.rs_stream, "end of backward: wait for gradient reduction")
+                if self.ipg_live:
+                    self._free_ipg()
             elif last:
                 # stages 0 and 1 reduce at the accumulation boundary only, in parameter order
                 size = STAGE0_BUFFER_ELEMS if self.stage == 0 else self.z.reduce_bucket_size
@@ -236,4 +351,5 @@ class Zero12Lowering:
                     self.b.free(f"grad:{p.name}", COMPUTE, f"gradient {p.name}")
                 self.live_grads.clear()
         self._optimizer()
+        self._touch_ipg()
         return self.b.program()

@@ -12,6 +12,7 @@ The optimizer is torch's AdamW (DeepSpeed's own CPU Adam needs a compiled op).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -28,6 +29,9 @@ def main() -> None:
                     help="torch.utils.checkpoint use_reentrant=True (Hugging Face's default) or False")
     ap.add_argument("--timings", help="write per-step wall times (JSON) here, rank 0 only")
     ap.add_argument("--profile", action="store_true", help="cProfile the last step on rank 0 (top 25 by time)")
+    ap.add_argument("--torch-profile", metavar="TRACE_JSON",
+                    help="torch.profiler on the last step on rank 0: print the time per phase and the top 30 ops "
+                         "by self time, and write the Chrome trace (with input shapes) here")
     ap.add_argument("--mark-modules", action="store_true",
                     help="under commsim record: insert a marker per module hook (which module sent what)")
     ap.add_argument("--build-shm-comm", action="store_true",
@@ -81,25 +85,45 @@ def main() -> None:
             mod.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"bwd_pre:{n}"))
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     times = []
+    phase_times: dict[str, list[float]] = {}  # forward / backward / step (engine.step) per step
     import cProfile
     import pstats
 
     for i in range(args.steps):
         ids = torch.randint(0, cfg.vocab, (micro, args.seq), generator=g)
-        prof = cProfile.Profile() if args.profile and i == args.steps - 1 and dist.get_rank() == 0 else None
+        last = i == args.steps - 1 and dist.get_rank() == 0
+        prof = cProfile.Profile() if args.profile and last else None
+        tprof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) \
+            if args.torch_profile and last else contextlib.nullcontext()
+        phases = {}
         t = time.perf_counter()
         if prof:
             prof.enable()
-        loss = engine(ids, labels=ids)
-        engine.backward(loss)
-        engine.step()
+        with tprof:
+            loss = engine(ids, labels=ids)
+            phases["forward"] = time.perf_counter()
+            engine.backward(loss)
+            phases["backward"] = time.perf_counter()
+            engine.step()
+            phases["step"] = time.perf_counter()
         if prof:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        if args.torch_profile and last:
+            t_prev = t
+            for name, t_end in phases.items():
+                print(f"phase {name}: {(t_end - t_prev) * 1e3:.1f} ms")
+                t_prev = t_end
+            print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            tprof.export_chrome_trace(args.torch_profile)
         times.append(time.perf_counter() - t)
+        t_prev = t
+        for name, t_end in phases.items():
+            phase_times.setdefault(name, []).append(t_end - t_prev)
+            t_prev = t_end
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
-            json.dump({"step_times_s": times}, f)
+            json.dump({"step_times_s": times, "phase_times_s": phase_times}, f)
     dist.barrier()
 
 

@@ -126,6 +126,15 @@ def test_profile_host_allocations_by_measured_size(tmp_path):
     assert p.host_malloc_ns(32 << 20) == int((3e-3 + (2e-2 - 3e-3) / 2) * 1e9)
     assert p.host_malloc_ns(128 << 20) == int(4e-2 * 2 * 1e9)  # beyond: the largest size's cost per byte
     assert p.host_malloc_ns(1 << 10) == int(1e-4 * 1e9)  # below: the smallest's cost
+    # a block of which only part is ever written (torch.empty, then partly filled):
+    # above glibc's 32 MiB mmap ceiling, fixed cost + the first touch of what is written
+    # (the largest size's cost per byte until calibrate measured the first touch)
+    assert p.host_malloc_ns(2 << 30, touch_bytes=10 << 20) == int(1e-4 * 1e9 + 4e-2 / (64 << 20) * 1e9 * (10 << 20))
+    assert p.host_malloc_ns(16 << 20, touch_bytes=1 << 20) == 100_000  # heap pages: the fixed cost only
+    assert p.host_malloc_ns(64 << 20, touch_bytes=64 << 20) == p.host_malloc_ns(64 << 20)  # all of it: the table
+    path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": points,
+                                                     "first_touch_ns_per_byte": 0.5}}))
+    assert load_profile(path).host_malloc_ns(2 << 30, touch_bytes=10 << 20) == 100_000 + 5 * 2**20
     path.write_text(json.dumps({**PROFILE}))
     assert load_profile(path).host_malloc_ns(1 << 20) == 5000  # no table: the line
     path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": [[1, 2, 3]]}}))

@@ -127,18 +127,21 @@ def test_extra_collective_on_one_rank():
 
 def test_structure_errors():
     w = O.Alloc(O.OpId(1), "compute", "", "w", 0)
+    t = O.Alloc(O.OpId(7), "compute", "", "t", 8, touch_bytes=9)
     g = O.Compute(O.OpId(2), "compute", "", O.ComputeKind.GEMM, 5, 0, 0, O.GemmShape(1, 1, 1))
     c = O.Collective(O.OpId(3), "c", "", O.CollectiveKind.ALL_GATHER, 6, O.DType.BF16, (0, 1))
     c2 = O.Collective(O.OpId(4), "c", "", O.CollectiveKind.ALL_REDUCE, 8, O.DType.BF16, (1,))
     s = O.HostSync(O.OpId(5), "", O.SyncScope.STREAM)
     fr = O.Free(O.OpId(6), "compute", "", "w")
-    findings = validate(Schedule.uniform(2, Program((), (w, g, c, c2, s, fr))))
+    ft = O.Free(O.OpId(8), "compute", "", "t")
+    findings = validate(Schedule.uniform(2, Program((), (w, g, c, c2, s, fr, t, ft))))
     assert [(f.check, f.op_index, f.message) for f in findings] == [
         ("size", 0, "size_bytes must be positive, got 0"),
         ("structure", 1, "flops 5 differ from its gemm shape's 2"),
         ("collective", 2, "size_bytes 6 does not split into 2 equal shards"),
         ("collective", 3, "all_reduce needs a reduce_op"),
         ("structure", 4, "a stream-scoped sync names its stream and no deps"),
+        ("size", 6, "touch_bytes must be within 0..size_bytes (8), got 9"),
         ("collective", 3, "rank 0 issues a collective of a group it is not in"),
     ]
 

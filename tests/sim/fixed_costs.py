@@ -30,8 +30,8 @@ class FixedCosts:
     def copy_ns(self, op):
         return op.size_bytes
 
-    def host_malloc_ns(self, size_bytes):
-        return self.malloc_base_ns + int(self.malloc_ns_per_byte * size_bytes)
+    def host_malloc_ns(self, size_bytes, touch_bytes=None):
+        return self.malloc_base_ns + int(self.malloc_ns_per_byte * (size_bytes if touch_bytes is None else touch_bytes))
 
     def node_of(self, rank):
         return rank // self.gpus_per_node

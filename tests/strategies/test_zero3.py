@@ -118,6 +118,38 @@ def test_stages_0_to_2_are_valid_and_reduce_every_gradient(md, world, stage, buc
         assert [op.size_bytes for op in ag] == [-(-total // world) * world * 2]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero2_gradient_buffers_are_fresh_every_step(overlap):
+    """DeepSpeed's stage 2 makes its bucket buffer(s) with torch.empty per backward
+    (two when overlap_comm), grads_in_partition at the first reduction, fp64 copies of
+    the partition's gradient pieces for the norm, and the flat fp32 gradient in step():
+    all allocated and freed inside the step. Each bucket buffer's touch_bytes is the
+    largest bucket placed in it, buckets alternating between the two buffers."""
+    md = describe(MODEL_PRESETS["tiny"], 2, 16)
+    cfg = parse_ds_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": 20000, "overlap_comm": overlap}})
+    prog = generate(md, World(1, 2), cfg, Knobs()).programs[0]
+    assert validate(generate(md, World(1, 2), cfg, Knobs())) == []
+    assert [op.buffer for op in prog.setup] == ["params16", "fp32", "exp_avg", "exp_avg_sq"]
+    allocs = {op.buffer: op for op in prog.step if isinstance(op, O.Alloc)}
+    frees = [op.buffer for op in prog.step if isinstance(op, O.Free)]
+    n_buf = 2 if overlap else 1
+    ar = [op.size_bytes for op in prog.step if isinstance(op, O.Collective) and op.label.startswith("bwd.ar")]
+    assert len(ar) > 2 and max(ar) > 20000 * 4  # the tiny model's embedding is larger than a bucket
+    for j in range(n_buf):
+        a = allocs[f"ipg_bucket{j}"]
+        # (a gradient larger than the bucket bypasses the buffer: it is reduced alone)
+        assert a.size_bytes == 20000 * 4 and f"ipg_bucket{j}" in frees
+        assert a.touch_bytes == max(size for size in ar[j::n_buf] if size <= 20000 * 4)
+    assert "ipg_bucket1" not in allocs or overlap
+    total = sum(p.numel for p in md.registered_params())
+    part = ceil(total / 2)
+    assert allocs["grad_partition"].size_bytes == part * 4 and allocs["grad32"].size_bytes == part * 4
+    norms = [op.size_bytes for op in prog.step if isinstance(op, O.Alloc) and op.buffer.startswith("norm64")]
+    assert sum(norms) == part * 8 and all(b in frees for b in ("grad_partition", "grad32"))
+    # everything but the model state is gone by the end of the step
+    assert set(allocs) - set(frees) == set()
+
+
 def test_optimized_and_baseline_differ_exactly_in_the_knobs():
     opt, base = KNOB_PRESETS["optimized"], KNOB_PRESETS["baseline"]
     differing = [f.name for f in fields(Knobs) if getattr(opt, f.name) != getattr(base, f.name)]
