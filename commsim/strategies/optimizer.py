@@ -59,3 +59,24 @@ def adam_step(b: ProgramBuilder, stream: str, label: str, n: int, state: tuple[s
         if name == "denom_div":
             b.free(temps["t1"], stream, f"{label} t1")
     b.free(temps["t2"], stream, f"{label} t2")
+
+
+def fp64_norms(b: ProgramBuilder, stream: str, label: str, pieces: list[tuple[str, int]], src: str, dt_bytes: int,
+               launch_ns: int, item_each: bool = False) -> None:
+    """DeepSpeed's gradient norm (``get_grad_norm_direct`` in stage_1_and_2.py and
+    stage3.py): each gradient piece converted to fp64 (zero/utils.py ``get_norm_dtype``)
+    in a fresh tensor, then its norm. ``pieces``: (name, elements), read from buffer
+    ``src`` holding ``dt_bytes``-byte gradients. ``item_each``: the host reads each
+    norm (``.item()``) before the next, as DeepSpeed did before the fused-norm fix."""
+    for i, (name, k) in enumerate(pieces):
+        tmp = f"{label}.fp64[{i}]"
+        b.alloc(tmp, k * 8, stream, f"fp64 copy of {name}'s gradient for its norm")
+        b.host("launch", O.HostKind.LAUNCH, launch_ns)
+        b.compute(stream, f"{label}:{name}.to_fp64", O.ComputeKind.ELEMENTWISE, k, k * dt_bytes, k * 8,
+                  buffers=(src, tmp))
+        b.host("launch", O.HostKind.LAUNCH, launch_ns)
+        n = b.compute(stream, f"{label}:{name}", O.ComputeKind.ELEMENTWISE, 2 * k, k * 8, 8, buffers=(tmp,))
+        b.free(tmp, stream, f"fp64 gradient of {name}")
+        if item_each:
+            cp = b.copy(stream, f"{label}_item:{name}", O.CopyDirection.D2H, 8, deps=(n,))
+            b.sync_ops((cp,), f".item() of {name}'s norm")

@@ -38,7 +38,7 @@ from commsim.models.spec import ModelDescription, ParamSpec
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.knobs import HostCosts
-from commsim.strategies.optimizer import adam_step
+from commsim.strategies.optimizer import adam_step, fp64_norms
 from commsim.strategies.zero3 import TraceEntry, module_trace
 
 COMPUTE = "compute"
@@ -112,15 +112,15 @@ class Zero12Lowering:
         on its own (reduce_independent_p_g_buckets_and_remove_grads)."""
         return p.numel > self.z.reduce_bucket_size
 
-    def _partition_pieces(self) -> list[int]:
-        """Element counts of the parameter pieces in rank 0's gradient partition (the
-        flat parameter order cut into equal partitions). The program is shared by all
+    def _partition_pieces(self) -> list[tuple[str, int]]:
+        """(parameter, elements) of the pieces in rank 0's gradient partition (the flat
+        parameter order cut into equal partitions). The program is shared by all
         ranks; the others' pieces differ only at the partition edges."""
         pieces, start = [], 0
         for p in self.params:
             end = start + p.numel
             if start < self.partition:
-                pieces.append(min(end, self.partition) - start)
+                pieces.append((p.name, min(end, self.partition) - start))
             start = end
         return pieces
 
@@ -254,17 +254,8 @@ class Zero12Lowering:
             b.reduce_to_host("optimizer.overflow_allreduce", 1, O.DType.UINT8, self.group, O.ReduceOp.MAX,
                              c.collective_launch_ns, "overflow .item()")
             if self.fresh_grads:
-                # get_grad_norm_direct: each piece of the partition's gradients converted
-                # to fp64 (zero/utils.py get_norm_dtype), then its norm
-                for i, k in enumerate(self._partition_pieces()):
-                    b.alloc(f"norm64[{i}]", k * 8, COMPUTE, f"fp64 copy of gradient piece {i} for its norm")
-                    b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-                    b.compute(COMPUTE, f"optimizer.grad_norm[{i}].to_fp64", O.ComputeKind.ELEMENTWISE, k, k * self.dt,
-                              k * 8, buffers=("grad_partition", f"norm64[{i}]"))
-                    b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-                    b.compute(COMPUTE, f"optimizer.grad_norm[{i}]", O.ComputeKind.ELEMENTWISE, 2 * k, k * 8, 8,
-                              buffers=(f"norm64[{i}]",))
-                    b.free(f"norm64[{i}]", COMPUTE, f"fp64 gradient piece {i}")
+                fp64_norms(b, COMPUTE, "optimizer.grad_norm", self._partition_pieces(), "grad_partition", self.dt,
+                           c.launch_ns)
             elif not self.offload:  # offloaded, the norms were taken as the shares left the device
                 b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
                 b.compute(COMPUTE, "optimizer.grad_norm", O.ComputeKind.ELEMENTWISE, 2 * n, n * 4, 4,

@@ -19,9 +19,10 @@ summarised in reference/deepspeed-zero3.md:
   reduce stream waits on compute, copies into the contiguous buffer, interleaves
   (torch.cat) and runs one reduce-scatter; 2 outstanding reduce events at most; end
   of backward flushes and syncs the reduce stream;
-* optimizer step: release everything, (fp16) overflow all-reduce, gradient-norm
-  all-reduce, per-sub-group Adam, copy-back, synchronous gather of persistent
-  parameters.
+* optimizer step: release everything, (fp16) overflow all-reduce, per-parameter
+  gradient norms in fp64 (each shard converted into a fresh tensor), the norm
+  all-reduce; per sub-group the gradients flattened into a fresh fp32 tensor, Adam,
+  copy-back, that tensor released; synchronous gather of persistent parameters.
 
 Every gathered parameter, flat buffer, gradient, bucket and activation is an
 alloc / free with its real size, so the allocator model sees DeepSpeed's pattern.
@@ -40,7 +41,7 @@ from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.groups import check_hierarchy, rank_groups
 from commsim.strategies.knobs import HostCosts, Knobs
-from commsim.strategies.optimizer import adam_step
+from commsim.strategies.optimizer import adam_step, fp64_norms
 
 COMPUTE = "compute"
 NA, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"
@@ -212,10 +213,13 @@ class Zero3Lowering:
         for g, params in enumerate(self.sub_groups()):
             n = sum(self.part[p.name] for p in params)
             b.setup_alloc(f"flat16[{g}]", n * self.dt, f"16-bit parameter partition, sub-group {g}")
+            # the reduced gradients' partition (grad_partitions_flat_buffer), in the
+            # parameters' dtype
+            b.setup_alloc(f"grad16[{g}]", n * self.dt, f"16-bit gradient partition, sub-group {g}")
             if self.offload:  # fp32 master, Adam state and fp32 gradients live in host memory
-                b.setup_alloc(f"grad16[{g}]", n * self.dt, f"16-bit gradient partition, sub-group {g}")
                 continue
-            for state in ("fp32", "exp_avg", "exp_avg_sq", "grad32"):
+            # (the fp32 gradient is made per step: _prepare_fp32_grad_for_sub_group)
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
                 b.setup_alloc(f"{state}[{g}]", n * 4, f"fp32 {state} partition, sub-group {g}")
         if self.z.contiguous_gradients:
             b.setup_alloc("ipg_bucket", self.z.reduce_bucket_size * self.dt, "contiguous gradient bucket")
@@ -536,12 +540,8 @@ class Zero3Lowering:
                 b.collective(s, f"bwd.rs{k}.replica_allreduce", O.CollectiveKind.ALL_REDUCE, shard * self.dt,
                              self.dtype, self.groups.replica, reduce_op=O.ReduceOp.SUM, buffers=inp)
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            if not self.offload:
-                b.compute(s, f"rs{k}.partition_grads", O.ComputeKind.ELEMENTWISE, shard, shard * self.dt + shard * 4,
-                          shard * 4, buffers=inp + ("grad32[0]",))
-            else:
-                b.compute(s, f"rs{k}.partition_grads", O.ComputeKind.ELEMENTWISE, shard, 2 * shard * self.dt,
-                          shard * self.dt, buffers=inp + ("grad16[0]",))
+            b.compute(s, f"rs{k}.partition_grads", O.ComputeKind.ELEMENTWISE, shard, 2 * shard * self.dt,
+                      shard * self.dt, buffers=inp + ("grad16[0]",))
             for buf_name in to_free:
                 b.free(buf_name, s, "reduce-scatter buffer")
             if not self.offload:
@@ -574,25 +574,19 @@ class Zero3Lowering:
             if self.status[p.name] == AVAILABLE:
                 self._free_param(p)
         total = sum(self.part.values())
-        grads = "grad16[0]" if self.offload else "grad32[0]"
+        grads = "grad16[0]"
         if self.ds.precision == "fp16":
-            k = b.compute(COMPUTE, "optimizer.overflow_check", O.ComputeKind.ELEMENTWISE, total, total * 4, 4,
+            k = b.compute(COMPUTE, "optimizer.overflow_check", O.ComputeKind.ELEMENTWISE, total, total * self.dt, 4,
                           buffers=(grads,))
             b.reduce_to_host("optimizer.overflow_allreduce", 4, O.DType.FP32, self.group, O.ReduceOp.MAX, 0,
                              "overflow .item()", deps=(k,))
         if self.offload:
             pass  # the per-parameter norms were taken as the gradients left for the host
-        elif self.knobs.fused_grad_norm:
-            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.compute(COMPUTE, "optimizer.grad_norm", O.ComputeKind.ELEMENTWISE, 2 * total, total * 4, 8,
-                      buffers=("grad32[0]",))
         else:
-            for p in self.params:
-                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-                n = b.compute(COMPUTE, f"optimizer.norm:{p.name}", O.ComputeKind.ELEMENTWISE, 2 * self.part[p.name],
-                              self.part[p.name] * 4, 4, buffers=("grad32[0]",))
-                cp = b.copy(COMPUTE, f"optimizer.norm_item:{p.name}", O.CopyDirection.D2H, 4, deps=(n,))
-                b.sync_ops((cp,), f".item() of {p.name}'s norm")
+            # per parameter shard, in fp64; without the fused-norm fix the host reads
+            # each norm before the next
+            fp64_norms(b, COMPUTE, "optimizer.norm", [(p.name, self.part[p.name]) for p in self.params], "grad16[0]",
+                       self.dt, c.launch_ns, item_each=not self.knobs.fused_grad_norm)
         b.reduce_to_host("optimizer.grad_norm_allreduce", 8, O.DType.FP64, self.group, O.ReduceOp.SUM,
                          c.collective_launch_ns, "global gradient norm")
         for g, params in enumerate(self.sub_groups()):
@@ -608,14 +602,32 @@ class Zero3Lowering:
                             buffers=(f"flat16[{g}]",))
                 b.sync_ops((cp,), "copy of the updated partition to the device")
                 continue
-            bufs = (f"fp32[{g}]", f"exp_avg[{g}]", f"exp_avg_sq[{g}]", f"grad32[{g}]")
+            # _prepare_fp32_grad_for_sub_group: the sub-group's gradients flattened into
+            # a fresh tensor, then .to(fp32) (a second fresh tensor unless already fp32)
+            grad32 = f"grad32[{g}]"
+            b.alloc(grad32, n * 4, COMPUTE, f"flat fp32 gradient, sub-group {g} (per step)")
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            if self.dt == 4:
+                b.copy(COMPUTE, f"optimizer.flatten_grads[{g}]", O.CopyDirection.D2D, n * 4,
+                       buffers=(f"grad16[{g}]", grad32))
+            else:
+                flat = f"gradflat16[{g}]"
+                b.alloc(flat, n * self.dt, COMPUTE, f"flat 16-bit gradient, sub-group {g}")
+                b.copy(COMPUTE, f"optimizer.flatten_grads[{g}]", O.CopyDirection.D2D, n * self.dt,
+                       buffers=(f"grad16[{g}]", flat))
+                b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+                b.compute(COMPUTE, f"optimizer.grads_to_fp32[{g}]", O.ComputeKind.ELEMENTWISE, n, n * self.dt, n * 4,
+                          buffers=(flat, grad32))
+                b.free(flat, COMPUTE, f"flat 16-bit gradient, sub-group {g}")
+            bufs = (f"fp32[{g}]", f"exp_avg[{g}]", f"exp_avg_sq[{g}]", grad32)
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.compute(COMPUTE, f"optimizer.unscale_clip[{g}]", O.ComputeKind.ELEMENTWISE, n, n * 4, n * 4,
-                      buffers=(f"grad32[{g}]",))
+                      buffers=(grad32,))
             adam_step(b, COMPUTE, f"optimizer.adam[{g}]", n, bufs, self.ds.optimizer_impl, c.launch_ns)
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.compute(COMPUTE, f"optimizer.copy_back[{g}]", O.ComputeKind.ELEMENTWISE, n, 4 * n, self.dt * n,
                       buffers=(f"fp32[{g}]", f"flat16[{g}]"))
+            b.free(grad32, COMPUTE, f"fp32 gradient, sub-group {g} (_release_sub_group)")
         pers = [p for p in self.params if p.name in self.persistent]
         if pers:
             # Synchronous gather (stage3._post_step -> Init._all_gather): one all-gather per

@@ -144,10 +144,31 @@ def test_zero2_gradient_buffers_are_fresh_every_step(overlap):
     total = sum(p.numel for p in md.registered_params())
     part = ceil(total / 2)
     assert allocs["grad_partition"].size_bytes == part * 4 and allocs["grad32"].size_bytes == part * 4
-    norms = [op.size_bytes for op in prog.step if isinstance(op, O.Alloc) and op.buffer.startswith("norm64")]
+    norms = [op.size_bytes for op in prog.step if isinstance(op, O.Alloc) and ".fp64[" in op.buffer]
     assert sum(norms) == part * 8 and all(b in frees for b in ("grad_partition", "grad32"))
     # everything but the model state is gone by the end of the step
     assert set(allocs) - set(frees) == set()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_fp32_gradient_and_fp64_norms_are_made_every_step(precision):
+    """Stage 3 keeps the reduced gradients in a persistent partition of the parameters'
+    dtype; each step it converts every parameter's shard to fp64 for the norm and
+    flattens the partition into a fresh fp32 gradient (through a 16-bit flat tensor
+    when the gradients are 16-bit), released after the sub-group's step."""
+    md = describe(MODEL_PRESETS["tiny"], 2, 16)
+    cfg = parse_ds_config({"bf16": {"enabled": precision == "bf16"}, "zero_optimization": {"stage": 3}})
+    prog = generate(md, World(1, 2), cfg, Knobs()).programs[0]
+    dt = 4 if precision == "fp32" else 2
+    part = sum(ceil(q.numel / 2) for q in md.registered_params())
+    setup = {a.buffer: a.size_bytes for a in prog.setup}
+    assert setup["grad16[0]"] == part * dt and "grad32[0]" not in setup
+    allocs = {op.buffer: op.size_bytes for op in prog.step if isinstance(op, O.Alloc)}
+    frees = {op.buffer for op in prog.step if isinstance(op, O.Free)}
+    assert allocs["grad32[0]"] == part * 4 and "grad32[0]" in frees
+    assert ("gradflat16[0]" in allocs) == (dt == 2)
+    norms = [size for buf, size in allocs.items() if buf.startswith("optimizer.norm.fp64[")]
+    assert sorted(norms) == sorted(ceil(q.numel / 2) * 8 for q in md.registered_params())
 
 
 def test_optimized_and_baseline_differ_exactly_in_the_knobs():
