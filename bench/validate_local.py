@@ -7,10 +7,13 @@
 Steps, for every row of the grid: ``commsim calibrate`` with the row's ranks (timing,
 besides its generic benchmarks, the exact GEMM shapes of the row: ``--schedule``), right
 before the row runs; generate the schedule, predict it with that profile, run it for
-real with ``commsim execute`` and compare step times. Calibrating right before each row
-keeps calibration and measurement in the same machine state: on the development VM the
-same GEMM ran 4.4 ms and 6.7 ms in back-to-back trials (its vCPUs share physical cores
-with other tenants), so a profile measured once drifts by 10-20% over a 15-minute grid.
+real with ``commsim execute``, calibrate again right after it, predict with the mean
+of the two profiles and compare step times. Calibrating around each row keeps
+calibration and measurement in the same machine state: on the development VM the same
+GEMM ran 4.4 ms and 6.7 ms in back-to-back trials (its vCPUs share physical cores with
+other tenants), so a profile measured once drifts by 10-20% over a 15-minute grid, and
+one calibration can fall into a slow minute the run itself does not see (run I's worst
+row); the mean of before and after halves that. ``--before-only`` skips the second.
 ``--calibrate-once`` calibrates once per rank count and link instead (faster). Rows marked ``deepspeed`` run real
 DeepSpeed (DS_ACCELERATOR=cpu, gloo) on the same model and config instead of our
 executor, timing its steps; their prediction uses host costs that calibrate measured
@@ -33,13 +36,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from commsim.api import Scenario, build_schedule, predict  # noqa: E402
+from commsim.hardware.profile import mean_profile  # noqa: E402
+from commsim.ir.errors import CommsimInputError  # noqa: E402
 from commsim.ir.serialize import save_schedule  # noqa: E402
 
 
@@ -188,6 +193,9 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated runners to keep: executor, deepspeed, slow-link, fast-link")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="one calibration per rank count and link before the rows, not one per row")
+    ap.add_argument("--before-only", action="store_true",
+                    help="calibrate each row only before it runs (default: before and after, and predict with the "
+                         "mean of the two, so one slow minute of the machine counts half)")
     args = ap.parse_args()
     rows = [r for r in GRID if not (args.quick and (r.ranks > 2 or r.runner == "deepspeed"))]
     if args.skip_deepspeed:
@@ -238,6 +246,12 @@ def main() -> None:
             calibrate(key, profiles[key], shape_files.get(key, []))
     results = []
     print(f"{'row':<28}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}", flush=True)
+    def with_host_costs(row: Row, profile: Path) -> None:
+        if row.runner == "deepspeed":
+            obj = json.loads(profile.read_text())
+            obj["host_costs"] = host_costs
+            profile.write_text(json.dumps(obj, indent=1))
+
     for i, row in enumerate(rows):
         cfg_path = work / f"ds{i}.json"
         cfg_path.write_text(json.dumps(ds_config(row)))
@@ -246,16 +260,12 @@ def main() -> None:
         else:
             profile = work / f"profile{i}.json"
             calibrate(row_key(row), profile, row_shapes[i])
-        if row.runner == "deepspeed":
-            obj = json.loads(profile.read_text())
-            obj["host_costs"] = host_costs
-            profile.write_text(json.dumps(obj, indent=1))
+        with_host_costs(row, profile)
         sc = Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=str(cfg_path), seq=row.seq,
                       preset=row.preset, hw_profile=str(profile))
         schedule = build_schedule(sc)[0]
         sched_path = work / f"sched{i}.json"
         save_schedule(schedule, sched_path)
-        pred = predict(sc).metrics.step_time_s
         out = work / f"measured{i}.json"
         if row.runner == "deepspeed":
             meas = measure_deepspeed(row, cfg_path, work, steps)
@@ -265,6 +275,20 @@ def main() -> None:
             meas = statistics.median(json.loads(out.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
         else:
             meas = measure_executor(row, sched_path, out, steps)
+        if not (args.calibrate_once or args.before_only):
+            # the machine's state around the run: the mean of a calibration before and after
+            after = work / f"profile{i}.after.json"
+            calibrate(row_key(row), after, row_shapes[i])
+            with_host_costs(row, after)
+            try:
+                mean = mean_profile(json.loads(profile.read_text()), json.loads(after.read_text()))
+            except CommsimInputError as e:  # a calibration that measured other sizes: keep the first
+                print(f"  ({row.name}: before/after profiles not averaged: {e})", flush=True)
+            else:
+                profile = work / f"profile{i}.mean.json"
+                profile.write_text(json.dumps(mean, indent=1))
+                sc = replace(sc, hw_profile=str(profile))
+        pred = predict(sc).metrics.step_time_s
         if row.runner != "deepspeed":
             if args.traces:
                 dest = Path(args.traces)

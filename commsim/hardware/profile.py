@@ -309,3 +309,25 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
 
 def load_profile(path: str | Path, precision: str | None = None) -> HardwareProfile:
     return profile_from_dict(read_json(path, CommsimInputError), str(path), precision)
+
+
+def mean_profile(a: Any, b: Any, where: str = "profile") -> Any:
+    """The mean of two profile documents from the same calibration command (say, one
+    taken right before a run and one right after, on a machine whose speed drifts):
+    every number averaged (integers rounded), lists element by element, objects key
+    by key; strings and booleans must agree. Measured sizes (the bytes or shapes
+    that tables are keyed by) are equal in both, so they average to themselves. A
+    different structure is an error naming the first place that differs."""
+    if isinstance(a, bool) or isinstance(b, bool) or isinstance(a, str) or a is None:
+        if a != b:
+            raise CommsimInputError(f"{where}: {a!r} differs from {b!r}; average profiles of one calibration command")
+        return a
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        m = (a + b) / 2
+        return round(m) if isinstance(a, int) and isinstance(b, int) else m
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [mean_profile(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))]
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return {k: mean_profile(a[k], b[k], f"{where}.{k}") for k in a}
+    raise CommsimInputError(f"{where}: the two profiles differ in structure here; "
+                            "average profiles of one calibration command")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from commsim.hardware.costs import SpecCostModel
-from commsim.hardware.profile import load_profile
+from commsim.hardware.profile import load_profile, mean_profile, profile_from_dict
 from commsim.hardware.specs import NODE_PRESETS, cluster_preset
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
@@ -140,3 +140,18 @@ def test_profile_host_allocations_by_measured_size(tmp_path):
     path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": [[1, 2, 3]]}}))
     with pytest.raises(CommsimInputError, match=r"p.json: alloc.points must be a list of \[bytes, seconds\] pairs"):
         load_profile(path)
+
+
+def test_mean_of_two_calibrations():
+    before = {**PROFILE, "kernel_overhead_ns": 1000, "elementwise_bytes_per_s": 2e10,
+              "gemm": [[1e6, 4e10], [1e9, 6e10]], "description": "x"}
+    after = {**PROFILE, "kernel_overhead_ns": 1501, "elementwise_bytes_per_s": 1e10,
+             "gemm": [[1e6, 2e10], [1e9, 5e10]], "description": "x"}
+    m = mean_profile(before, after)
+    assert m["kernel_overhead_ns"] == 1250 and m["elementwise_bytes_per_s"] == 1.5e10
+    assert m["gemm"] == [[1e6, 3e10], [1e9, 5.5e10]]  # sizes stay, rates average
+    assert profile_from_dict(m, "m").kernel_overhead_ns == 1250
+    with pytest.raises(CommsimInputError, match=r"profile.description: 'x' differs from 'y'"):
+        mean_profile(before, {**after, "description": "y"})
+    with pytest.raises(CommsimInputError, match=r"profile.gemm: the two profiles differ in structure"):
+        mean_profile(before, {**after, "gemm": [[1e6, 2e10]]})
