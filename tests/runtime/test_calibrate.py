@@ -28,6 +28,8 @@ def test_quick_calibration_then_predict(tmp_path):
     assert all(2 in fits for fits in p.collectives.values())
     assert p.synchronous_compute and not p.caching_allocator  # a CPU profile
     assert p.comm_slowdown >= 1.0 and p.kernel_overhead_ns > 0
+    # a fresh page's first write (fault, kernel zeroing) and its unmap cost something
+    assert p.first_touch_ns_per_byte > 0
     obj = json.loads(prof.read_text())
     assert set(obj["gemm_by_dtype"]) == {"fp32", "bf16"}
     # the schedule's own GEMM shapes, timed in its precision (bf16: the default config)
