@@ -126,17 +126,16 @@ class HardwareProfile:
         ``touch_bytes`` are ever written: above glibc's mmap threshold it is fresh pages
         and pays the first touch of what is written; below it the heap's pages are
         already touched and only the fixed cost remains."""
-        if touch_bytes is not None and touch_bytes < size_bytes and len(self.alloc_points) >= 2:
-            x_lo, y_lo = self.alloc_points[0]
+        partial = touch_bytes is not None and touch_bytes < size_bytes
+        pts = self.alloc_points
+        if len(pts) < 2:  # the line, over the bytes that get written
+            return self.malloc_base_ns + int(self.malloc_ns_per_byte * (touch_bytes if partial else size_bytes))
+        (x_lo, y_lo), (x_hi, y_hi) = pts[0], pts[-1]
+        if partial:
             if size_bytes <= GLIBC_MMAP_THRESHOLD_MAX_BYTES:
                 return int(y_lo * 1e9)
-            x_hi, y_hi = self.alloc_points[-1]
             per_byte = self.first_touch_ns_per_byte or y_hi / x_hi * 1e9
             return int(y_lo * 1e9 + per_byte * touch_bytes)
-        pts = self.alloc_points
-        if len(pts) < 2:
-            return self.malloc_base_ns + int(self.malloc_ns_per_byte * size_bytes)
-        (x_lo, y_lo), (x_hi, y_hi) = pts[0], pts[-1]
         if size_bytes > x_hi:  # beyond the largest measured size: its cost per byte
             return int(y_hi * size_bytes / x_hi * 1e9)
         if size_bytes < x_lo:  # below the smallest: a fixed cost dominates there

@@ -109,18 +109,15 @@ def main() -> None:
         if prof:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        times.append(phases["step"] - t)  # not the reports below
+        ends = list(phases.values())
+        for name, t0, t1 in zip(phases, [t] + ends, ends):
+            phase_times.setdefault(name, []).append(t1 - t0)
         if args.torch_profile and last:
-            t_prev = t
-            for name, t_end in phases.items():
-                print(f"phase {name}: {(t_end - t_prev) * 1e3:.1f} ms")
-                t_prev = t_end
+            for name, durs in phase_times.items():
+                print(f"phase {name}: {durs[-1] * 1e3:.1f} ms")
             print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             tprof.export_chrome_trace(args.torch_profile)
-        times.append(time.perf_counter() - t)
-        t_prev = t
-        for name, t_end in phases.items():
-            phase_times.setdefault(name, []).append(t_end - t_prev)
-            t_prev = t_end
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
             json.dump({"step_times_s": times, "phase_times_s": phase_times}, f)

@@ -137,6 +137,10 @@ def test_profile_host_allocations_by_measured_size(tmp_path):
     assert load_profile(path).host_malloc_ns(2 << 30, touch_bytes=10 << 20) == 100_000 + 5 * 2**20
     path.write_text(json.dumps({**PROFILE}))
     assert load_profile(path).host_malloc_ns(1 << 20) == 5000  # no table: the line
+    path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "malloc_ns_per_byte": 1.0}}))
+    p = load_profile(path)
+    assert p.host_malloc_ns(2 << 30) == 5000 + (2 << 30)
+    assert p.host_malloc_ns(2 << 30, touch_bytes=1 << 20) == 5000 + (1 << 20)  # over the written bytes only
     path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": [[1, 2, 3]]}}))
     with pytest.raises(CommsimInputError, match=r"p.json: alloc.points must be a list of \[bytes, seconds\] pairs"):
         load_profile(path)
