@@ -191,6 +191,8 @@ def main() -> None:
     ap.add_argument("--traces", help="copy each row's measured trace into this folder")
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--only", help="comma-separated runners to keep: executor, deepspeed, slow-link, fast-link")
+    ap.add_argument("--row", action="append", default=[], metavar="NAME",
+                    help="keep only the row of this name (repeatable), e.g. --row 'small z2'")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="one calibration per rank count and link before the rows, not one per row")
     ap.add_argument("--before-only", action="store_true",
@@ -202,10 +204,15 @@ def main() -> None:
         rows = [r for r in rows if r.runner != "deepspeed"]
     if args.only:
         rows = [r for r in rows if r.runner in args.only.split(",")]
+    if args.row:
+        unknown = sorted(set(args.row) - {r.name for r in GRID})
+        if unknown:
+            ap.error(f"--row {unknown[0]!r}: not a row of the grid; rows: {', '.join(r.name for r in GRID)}")
+        rows = [r for r in rows if r.name in args.row]
     if os.geteuid() != 0 and any(r.runner in LINK_RATE for r in rows):
         print("not root: the slow-link / fast-link rows (network namespaces) are skipped", flush=True)
         rows = [r for r in rows if r.runner not in LINK_RATE]
-    steps = 2 if args.quick else 3
+    steps = 2 if args.quick else 5
     work = Path(tempfile.mkdtemp(prefix="commsim-validate-"))
     profiles: dict = {}
     t0 = time.time()

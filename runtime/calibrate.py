@@ -6,12 +6,14 @@ compete for the same cores, on GPUs each rank has its own.
 
 Measured:
 * GEMM throughput by size (the executor's batched matmul), as (flops, flops/s) points;
-* memory-bound kernels: fixed cost per kernel and bandwidth (a least-squares fit of
-  time over bytes), used for elementwise ops and copies;
+* memory-bound kernels by size, on data not in the cache (as a step's tensors are):
+  a table, and a fixed cost per kernel and bandwidth (a least-squares fit of time over
+  bytes), used for elementwise ops and copies;
 * each collective kind separately (all-gather, reduce-scatter, all-reduce, broadcast)
   over the whole group: latency and bandwidth from a fit of time over bytes, never
   assuming one kind from another (gloo's reduce-scatter, for one, costs an all-reduce);
-* how much slower compute runs while a collective is in flight, and the reverse;
+* how much slower compute runs while a collective is in flight, and the reverse (a
+  collective's bandwidth and its latency separately);
 * the executor's own per-op costs: host time to issue a device op, and per-op overhead;
 * allocation cost by size, in a step-like steady state (heap reuse vs fresh pages),
   and on CPUs what the first write of a fresh page costs;
@@ -84,6 +86,8 @@ class Calibrator:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.gpu else torch.float32
         self.kernels = _Kernels(self.device, self.dtype)
+        self._shape_kernels: dict[str, _Kernels] = {}
+        self._shape_times: dict[tuple[str, int, int, int, int], list[float]] = {}
         self.min_s = 0.05 if quick else 0.2
         self.quick = quick
         self.log = log if rank == 0 else (lambda _m: None)
@@ -150,24 +154,42 @@ class Calibrator:
                  f"{max(p[1] for p in points) / 1e9:.1f} GFLOP/s")
         return points
 
-    def gemm_shapes(self) -> dict[str, list[list[float]]]:
-        """The exact GEMM shapes of the schedules given (``calibrate --schedule``), each
-        timed on all ranks at once like every other benchmark: a rate by flops alone
-        misses how a shape uses caches (a 512 x 8000 x 512 LM head and a batched 768^3
-        have similar flops and ran at rates 2x apart on the development machine)."""
-        out: dict[str, list[list[float]]] = {}
+    # the exact-shape GEMMs are timed this many times, spread over the calibration
+    SHAPE_ROUNDS = 3
+
+    def gemm_shapes_round(self) -> None:
+        """Time each exact GEMM shape of the schedules given (``calibrate --schedule``)
+        once more, on all ranks at once like every other benchmark: a rate by flops
+        alone misses how a shape uses caches (a 512 x 8000 x 512 LM head and a batched
+        768^3 have similar flops and ran at rates 2x apart on the development machine)."""
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        for dt, m, n, k, batch in self.shapes:
-            kernels = _Kernels(self.device, dtypes[dt])
+        for shape in self.shapes:
+            dt, m, n, k, batch = shape
+            kernels = self._shape_kernels.setdefault(dt, _Kernels(self.device, dtypes[dt]))
             op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * m * n * k * batch, 0, 0, O.GemmShape(m, n, k, batch))
             t = self._together(lambda op=op, kernels=kernels: kernels.run(op))
-            out.setdefault(dt, []).append([m, n, k, batch, op.flops / t])
+            self._shape_times.setdefault(shape, []).append(t)
+
+    def gemm_shapes(self) -> dict[str, list[list[float]]]:
+        """Each exact shape's rate from the mean of its rounds. The rounds lie apart (at
+        the start, the middle and the end of a calibration): on a shared machine a
+        kernel's speed drifts over seconds (the same 512^3 GEMM measured 38, 46 and 54
+        GFLOP/s in three calibrations a minute apart on the development VM), and a
+        step's GEMMs run across all of it, so one short window misprices all of them
+        at once."""
+        out: dict[str, list[list[float]]] = {}
+        for (dt, m, n, k, batch), times in self._shape_times.items():
+            out.setdefault(dt, []).append([m, n, k, batch, 2 * m * n * k * batch / statistics.fmean(times)])
         if self.shapes:
-            self.log(f"gemm shapes: {len(self.shapes)} measured")
+            rounds = len(next(iter(self._shape_times.values())))
+            self.log(f"gemm shapes: {len(self.shapes)} measured, {rounds} rounds each")
         return out
 
     def memory(self) -> tuple[float, float, list[list[float]]]:
-        """Memory-bound kernels: from in-cache sizes to main-memory ones (a table)."""
+        """Memory-bound kernels by size (a table), as the executor runs them: each call on
+        the next region of a ring larger than the last-level cache, so its data comes
+        from memory, as a step's tensors do (``_Kernels``); below a few MiB the cost is
+        mostly the call's fixed overhead and the cold cache lines' latency."""
         sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20] + ([] if self.quick else [32 << 20, 128 << 20])
         pts = []
         for nbytes in sizes:
@@ -203,18 +225,32 @@ class Calibrator:
             self.log(f"{kind} over {self.world} ranks: {a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")
         return out
 
-    def contention(self) -> tuple[float, float]:
-        """(compute slowdown while a collective runs, collective slowdown while compute runs).
+    def contention(self) -> tuple[float, float, float]:
+        """(compute slowdown while a collective runs, collective bandwidth slowdown while
+        compute runs, collective latency slowdown while compute runs).
 
         A fixed number of collectives run in a background thread (the same count on every
         rank, so none is left waiting) while the foreground runs matmuls until they are
-        done; each side's rate is compared with its rate alone."""
+        done; each side's rate is compared with its rate alone. Twice: a 4 MiB all-reduce,
+        whose time is mostly bandwidth, and a 64 KiB all-gather, whose time is mostly
+        latency. On a CPU backend the collective's own thread then competes for the core
+        with the rank's kernels, and a small collective waits for the scheduler at every
+        message of its protocol: on the development machine a 64 KiB all-gather took 1.3-4x
+        its time alone, the bandwidth of a large one about 1.8x."""
         n = 256 if self.quick else 384
         op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * n ** 3 * 4, 0, 0, O.GemmShape(n, n, n, 4))
-        comm = self._collective("all_reduce", 4 << 20)
         compute_alone = self._together(lambda: self.kernels.run(op))
+        slow_c, slow_n = self._under_compute(op, compute_alone, self._collective("all_reduce", 4 << 20))
+        _, slow_lat = self._under_compute(op, compute_alone, self._collective("all_gather", 64 << 10))
+        self.log(f"contention: compute x{slow_c:.2f} while communicating, communication x{slow_n:.2f} "
+                 f"(bandwidth) and x{slow_lat:.2f} (latency) while computing")
+        return slow_c, slow_n, slow_lat
+
+    def _under_compute(self, op: O.Compute, compute_alone: float, comm: Callable[[], Any]) -> tuple[float, float]:
+        """(compute slowdown, collective slowdown) with ``comm`` in a background thread."""
         comm_alone = self._together(comm)
-        reps = max(4, int(0.3 / max(comm_alone, 1e-6))) if not self.quick else max(3, int(0.1 / max(comm_alone, 1e-6)))
+        budget = 0.1 if self.quick else 0.3
+        reps = max(3 if self.quick else 4, int(budget / max(comm_alone, 1e-6)))
         done = threading.Event()
         comm_elapsed = [0.0]
 
@@ -241,9 +277,7 @@ class Calibrator:
         comm_busy = comm_elapsed[0] / reps
         res = torch.tensor([compute_busy / compute_alone, comm_busy / comm_alone], dtype=torch.float64)
         dist.all_reduce(res, op=dist.ReduceOp.MAX)
-        slow_c, slow_n = max(1.0, float(res[0])), max(1.0, float(res[1]))
-        self.log(f"contention: compute x{slow_c:.2f} while communicating, communication x{slow_n:.2f} while computing")
-        return slow_c, slow_n
+        return max(1.0, float(res[0])), max(1.0, float(res[1]))
 
     # ------------------------------------------------------------ the OS scheduler
     def time_slice(self, cores: int) -> int | None:
@@ -361,13 +395,19 @@ class Calibrator:
         t0 = time.perf_counter()
         gemm_by_dtype = {"fp32": self.gemm(torch.float32), "bf16": self.gemm(torch.bfloat16)}
         gemm = gemm_by_dtype["bf16" if self.gpu else "fp32"]
-        shapes = self.gemm_shapes()
+        rounds = 1 if self.quick else self.SHAPE_ROUNDS
+        self.gemm_shapes_round()
         mem_a, mem_bw, mem_points = self.memory()
         colls = self.collectives()
-        slow_c, slow_n = self.contention()
+        if rounds > 2:
+            self.gemm_shapes_round()
+        slow_c, slow_n, slow_lat = self.contention()
         issue_ns, per_op_ns = self.executor_overheads()
         alloc_a, alloc_per_byte, alloc_points = self.alloc()
         first_touch = self.first_touch()
+        for _ in range(rounds - 1 - (rounds > 2)):
+            self.gemm_shapes_round()
+        shapes = self.gemm_shapes()
         cores = _cpu_cores()
         slice_ns = self.time_slice(cores)
         mem_total = torch.cuda.get_device_properties(self.device).total_memory if self.gpu else _host_memory()
@@ -389,6 +429,7 @@ class Calibrator:
             "collectives": colls,
             "comm_slowdown": slow_c,
             "comm_slowdown_during_compute": slow_n,
+            "comm_latency_slowdown_during_compute": slow_lat,
             "caching_allocator": self.gpu,
             **({} if self.gpu else {"cpu_cores": cores}),
             **({"time_slice_ns": slice_ns} if slice_ns else {}),

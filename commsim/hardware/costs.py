@@ -56,6 +56,7 @@ class CostModel(Protocol):
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int: ...
     comm_slowdown: float
     comm_slowdown_during_compute: float
+    comm_latency_slowdown_during_compute: float  # a collective's latency while its node computes
     issue_ns: int
     malloc_syncs_device: bool
     synchronous_compute: bool  # kernels run on the host thread (CPUs) rather than queued on a device
@@ -93,6 +94,7 @@ class SpecCostModel:
         self.comm_slowdown = 1.0 + NCCL_CHANNELS / self.gpu.sm_count
         # NCCL's copies run on their own SMs and DMA: collectives are not slowed by compute
         self.comm_slowdown_during_compute = 1.0
+        self.comm_latency_slowdown_during_compute = 1.0
         # issuing a device op costs host time only through the schedule's own launch ops
         self.issue_ns = 0
         self.malloc_syncs_device = True

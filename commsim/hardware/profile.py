@@ -17,6 +17,7 @@ Format (JSON)::
      "collectives": {"all_gather": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}, ...},
      "comm_slowdown": 1.5,              # compute runs this much slower during a collective
      "comm_slowdown_during_compute": 2, # and collectives this much slower during compute (optional)
+     "comm_latency_slowdown_during_compute": 3,  # and their fixed latency (optional)
      "issue_ns": 20000,                 # host time to issue one device op (optional)
      "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
      "alloc": {"malloc_base_ns": 5000, "malloc_ns_per_byte": 0.0,
@@ -118,6 +119,9 @@ class HardwareProfile:
     # at free, per byte, over what a write to touched memory costs (calibrate measures
     # it; 0: not measured, the allocation table's large-size cost per byte stands in)
     first_touch_ns_per_byte: float = 0.0
+    # a collective's fixed latency while its node computes, over its latency alone: on a
+    # CPU backend the collective's thread waits for a core at each message (calibrate)
+    comm_latency_slowdown_during_compute: float = 1.0
 
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int:
         """An allocation without a caching allocator in front: measured by size when
@@ -292,6 +296,8 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         comm_slowdown=_num(obj, "comm_slowdown", where),
         comm_slowdown_during_compute=_num(obj, "comm_slowdown_during_compute", where) if
         "comm_slowdown_during_compute" in obj else 1.0,
+        comm_latency_slowdown_during_compute=_num(obj, "comm_latency_slowdown_during_compute", where)
+        if "comm_latency_slowdown_during_compute" in obj else 1.0,
         issue_ns=int(_num(obj, "issue_ns", where, positive=False)) if "issue_ns" in obj else 0,
         caching_allocator=bool(obj.get("caching_allocator", obj.get("backend") == "nccl")),
         malloc_base_ns=int(_num(alloc, "malloc_base_ns", f"{where}: alloc", positive=False)),

@@ -434,6 +434,11 @@ class _RankSim:
             self.sim.compute_started(self.node)
             yield env.timeout(dur)
             self.sim.compute_ended(self.node)
+        elif cost.synchronous_compute and self.cpu is None:
+            # a CPU copy is the rank's thread at work too: the backend's thread competes with it
+            self.sim.compute_started(self.node)
+            yield env.timeout(cost.copy_ns(op))
+            self.sim.compute_ended(self.node)
         else:
             yield from self._on_core(cost.copy_ns(op))
 
@@ -729,6 +734,9 @@ class Simulator:
                                     for r in op.group if r in self.ranks])
             rv.done.succeed()
             return
+        slow = self.cost.comm_latency_slowdown_during_compute
+        if slow != 1.0 and any(self.compute_active.get(self.cost.node_of(r)) for r in op.group if r in self.ranks):
+            latency = int(latency * slow)  # the backend's thread waits for a busy core
         yield env.timeout(latency)
         yield self.network.start(demands)
         rv.done.succeed()

@@ -113,6 +113,21 @@ def test_bad_profile(tmp_path):
         load_profile(path)
 
 
+def test_profile_collective_slowdowns_while_computing(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(PROFILE))
+    p = load_profile(path)
+    assert (p.comm_slowdown_during_compute, p.comm_latency_slowdown_during_compute) == (1.0, 1.0)  # not measured
+    path.write_text(json.dumps({**PROFILE, "comm_slowdown_during_compute": 1.8,
+                                "comm_latency_slowdown_during_compute": 2.5}))
+    p = load_profile(path)
+    assert (p.comm_slowdown_during_compute, p.comm_latency_slowdown_during_compute) == (1.8, 2.5)
+    path.write_text(json.dumps({**PROFILE, "comm_latency_slowdown_during_compute": 0}))
+    with pytest.raises(CommsimInputError, match=r"p.json: field 'comm_latency_slowdown_during_compute' must be a "
+                                                r"positive number, got 0"):
+        load_profile(path)
+
+
 def test_profile_host_allocations_by_measured_size(tmp_path):
     """Below glibc's mmap threshold a host allocation reuses heap pages; above it, fresh
     pages: the measured table is interpolated by size, not one line through both."""

@@ -60,3 +60,28 @@ def test_a_dead_rank_ends_the_run_naming_rank_and_op(tmp_path):
     assert f"rank 1 died (exit code 17) while issuing op {victim.id}" in msg and victim.label in msg
     assert not multiprocessing.active_children()
     assert not (tmp_path / "m.json").exists()
+
+
+def test_memory_bound_kernels_walk_a_ring_larger_than_the_cache():
+    """Each memory-bound kernel moves its bytes at the next page-aligned place of a ring
+    of at least twice the last-level cache, so its data comes from memory as a step's
+    tensors do, and calibrate times the same kernels the same way."""
+    import torch
+
+    from runtime.executor import MIN_RING_BYTES, _Kernels, last_level_cache_bytes
+
+    k = _Kernels(torch.device("cpu"), torch.float32)
+    llc = last_level_cache_bytes(torch.device("cpu"))
+    assert k.ring_bytes == max(MIN_RING_BYTES, 2 * llc)
+    op = O.Compute(O.OpId(1), "c", "e", O.ComputeKind.ELEMENTWISE, 0, 3000, 3000)  # 6000 bytes: 2 pages
+    starts = []
+    for _ in range(3):
+        starts.append(k.offset)
+        k.run(op)
+    assert starts == [0, 8192, 16384] and k.scratch.numel() == k.ring_bytes
+    k.offset = k.ring_bytes - 4096  # the next one does not fit: back to the start
+    k.run(op)
+    assert k.offset == 8192
+    big = O.Compute(O.OpId(2), "c", "e", O.ComputeKind.ELEMENTWISE, 0, k.ring_bytes, k.ring_bytes)
+    k.run(big)  # larger than the ring: the scratch grows to hold it
+    assert k.scratch.numel() == 2 * k.ring_bytes and k.offset == 2 * k.ring_bytes

@@ -7,6 +7,7 @@ from commsim.ir import ops as O
 class FixedCosts:
     comm_slowdown = 1.0
     comm_slowdown_during_compute = 1.0
+    comm_latency_slowdown_during_compute = 1.0
     issue_ns = 0
     malloc_syncs_device = True
     synchronous_compute = False

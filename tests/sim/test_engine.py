@@ -146,6 +146,25 @@ def test_cpu_semantics_kernels_run_on_the_host():
     assert [(hb.start_ns, hb.end_ns, hb.reason) for hb in res.ranks[0].host_blocks] == [(15, 60, "all_gather")]
 
 
+def test_cpu_collective_latency_is_slowed_while_the_rank_works():
+    """A CPU profile measured how much longer a collective's fixed latency takes while the
+    node's ranks run kernels or copies (the backend's thread waits for a busy core)."""
+    costs = FixedCosts(latency_ns=100)
+    costs.synchronous_compute = True
+    costs.comm_latency_slowdown_during_compute = 3.0
+    # ag1 starts while c2 runs: 3 x 100 ns latency + 50 bytes; ag3 starts (behind ag1)
+    # after c2 ended and the host is waiting: 100 + 50
+    prog = Program((), (coll(1, 50, (0,)), comp(2, 200), coll(3, 50, (0,))))
+    assert events(run(Schedule.uniform(1, prog), costs=costs)) == [
+        (0, 200, 0, C, "c2"), (0, 350, 0, AG, "ag1"), (350, 500, 0, AG, "ag3")]
+    # a copy on the host thread counts as work too
+    cp = O.Copy(O.OpId(2), C, "cp2", O.CopyDirection.D2D, 200)
+    prog = Program((), (coll(1, 50, (0,)), cp))
+    assert events(run(Schedule.uniform(1, prog), costs=costs)) == [(0, 200, 0, C, "cp2"), (0, 350, 0, AG, "ag1")]
+    costs.comm_latency_slowdown_during_compute = 1.0
+    assert events(run(Schedule.uniform(1, prog), costs=costs)) == [(0, 150, 0, AG, "ag1"), (0, 200, 0, C, "cp2")]
+
+
 def test_host_malloc_costs_every_allocation():
     costs = FixedCosts()
     costs.caching_allocator = False
