@@ -265,6 +265,11 @@ class _RankSim:
         self.buffer_streams: dict[str, set[str]] = {}
         self.active_comm = 0
         self.coll_seq: dict[tuple[int, ...], int] = {}
+        # CPU backends: collectives reach the backend in the order the host issued them
+        # (a ticket each); the stream holding the next ticket may start its collective
+        self.tickets_given = 0
+        self.tickets_served = 0
+        self.ticket_waiters: dict[int, simpy.Event] = {}
         self.record_of: dict[O.OpId, OpRecord] = {}
         self.rng = random.Random(sim.config.seed * 1_000_003 + rank)
         self.node = sim.cost.node_of(rank)
@@ -384,7 +389,11 @@ class _RankSim:
                     bs = self.buffer_streams.get(b)
                     if bs is not None:
                         bs.add(stream)
-                q.append((op, env.now))
+                ticket = None
+                if isinstance(op, O.Collective) and self.sim.cost.synchronous_compute:
+                    ticket = self.tickets_given
+                    self.tickets_given += 1
+                q.append((op, env.now, ticket))
                 w = self.wakeups.get(stream)
                 if w is not None:
                     self.wakeups[stream] = None
@@ -573,7 +582,7 @@ class _RankSim:
                 self.wakeups[stream] = ev
                 yield ev
                 continue
-            op, issued = q.popleft()
+            op, issued, ticket = q.popleft()
             sp = self.space.get(stream)
             if sp is not None:
                 self.space[stream] = None
@@ -587,6 +596,8 @@ class _RankSim:
             ready = env.now
             wait_peers = 0
             if isinstance(op, O.Collective):
+                if ticket is not None:
+                    yield from self._await_ticket(ticket)
                 start, wait_peers = yield from self._collective(op)
             else:
                 start = env.now
@@ -596,6 +607,21 @@ class _RankSim:
             if rec:
                 self.result.records.append(r)
             self.done[op.id].succeed(op.id)
+
+    def _await_ticket(self, ticket: int):
+        """On a CPU backend a collective goes to the backend only after every collective
+        the host issued before it (on any stream) went: gloo matches a group's
+        collectives by the order of their calls, so the executor hands them over in
+        program order (and a framework's single Python thread calls them so), and a
+        collective whose inputs are ready waits while an earlier one waits for its own."""
+        if self.tickets_served != ticket:
+            ev = self.ticket_waiters[ticket] = self.env.event()
+            yield ev
+        assert self.tickets_served == ticket
+        self.tickets_served += 1
+        nxt = self.ticket_waiters.pop(self.tickets_served, None)
+        if nxt is not None:
+            nxt.succeed()
 
     def _collective(self, op: O.Collective):
         env, sim = self.env, self.sim

@@ -165,6 +165,23 @@ def test_cpu_collective_latency_is_slowed_while_the_rank_works():
     assert events(run(Schedule.uniform(1, prog), costs=costs)) == [(0, 150, 0, AG, "ag1"), (0, 200, 0, C, "cp2")]
 
 
+def test_cpu_collectives_reach_the_backend_in_issue_order():
+    """gloo matches collectives by call order, so a CPU rank hands them to the backend in
+    the order the host issued them: rs3, ready at once on its own stream, waits until ag2
+    (queued behind ag1) has gone. A GPU's streams start it at once."""
+    costs = FixedCosts(latency_ns=100)
+    rs = O.Collective(O.OpId(3), "reduce", "rs3", O.CollectiveKind.REDUCE_SCATTER, 2, O.DType.UINT8, (0,),
+                      reduce_op=O.ReduceOp.SUM)
+    prog = Program((), (coll(1, 100, (0,)), coll(2, 10, (0,)), rs))
+    costs.synchronous_compute = True
+    # ag2 and rs3 then share the link: 12 bytes at 1 B/ns after their 100 ns latency
+    assert events(run(Schedule.uniform(1, prog), costs=costs)) == [
+        (0, 200, 0, AG, "ag1"), (200, 304, 0, "reduce", "rs3"), (200, 312, 0, AG, "ag2")]
+    costs.synchronous_compute = False
+    assert events(run(Schedule.uniform(1, prog), costs=costs)) == [
+        (0, 104, 0, "reduce", "rs3"), (0, 202, 0, AG, "ag1"), (202, 312, 0, AG, "ag2")]
+
+
 def test_host_malloc_costs_every_allocation():
     costs = FixedCosts()
     costs.caching_allocator = False
