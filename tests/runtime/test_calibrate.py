@@ -79,10 +79,10 @@ TRACES = sorted((ROOT / "traces" / "local-cpu").glob("*.json.gz"))
 def test_stored_measured_traces(path):
     t = Trace.load(path)
     assert t.meta.source is TraceSource.MEASURED and t.meta.producer == "commsim execute (gloo)"
-    assert t.meta.schedule_hash and len(t.meta.get("step_times_ns")) == 3
+    assert t.meta.schedule_hash and len(t.meta.get("step_times_ns")) == 5
     ranks = {r.rank for r in t.records}
     assert ranks in ({0, 1}, {0, 1, 2, 3})
-    assert {r.step for r in t.records} == {0, 1, 2}
+    assert {r.step for r in t.records} == {0, 1, 2, 3, 4}
     assert all(r.end_ns >= r.start_ns >= 0 for r in t.records)
     assert {"all_gather", "reduce_scatter", "all_reduce"} & {r.kind for r in t.records}
 
