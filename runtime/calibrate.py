@@ -154,9 +154,6 @@ class Calibrator:
                  f"{max(p[1] for p in points) / 1e9:.1f} GFLOP/s")
         return points
 
-    # the exact-shape GEMMs are timed this many times, spread over the calibration
-    SHAPE_ROUNDS = 3
-
     def gemm_shapes_round(self) -> None:
         """Time each exact GEMM shape of the schedules given (``calibrate --schedule``)
         once more, on all ranks at once like every other benchmark: a rate by flops
@@ -395,17 +392,16 @@ class Calibrator:
         t0 = time.perf_counter()
         gemm_by_dtype = {"fp32": self.gemm(torch.float32), "bf16": self.gemm(torch.bfloat16)}
         gemm = gemm_by_dtype["bf16" if self.gpu else "fp32"]
-        rounds = 1 if self.quick else self.SHAPE_ROUNDS
-        self.gemm_shapes_round()
+        self.gemm_shapes_round()  # exact shapes: at the start, the middle and the end (not quick)
         mem_a, mem_bw, mem_points = self.memory()
         colls = self.collectives()
-        if rounds > 2:
+        if not self.quick:
             self.gemm_shapes_round()
         slow_c, slow_n, slow_lat = self.contention()
         issue_ns, per_op_ns = self.executor_overheads()
         alloc_a, alloc_per_byte, alloc_points = self.alloc()
         first_touch = self.first_touch()
-        for _ in range(rounds - 1 - (rounds > 2)):
+        if not self.quick:
             self.gemm_shapes_round()
         shapes = self.gemm_shapes()
         cores = _cpu_cores()

@@ -28,8 +28,9 @@ def test_quick_calibration_then_predict(tmp_path):
     assert all(2 in fits for fits in p.collectives.values())
     assert p.synchronous_compute and not p.caching_allocator  # a CPU profile
     assert p.comm_slowdown >= 1.0 and p.kernel_overhead_ns > 0
-    assert p.comm_slowdown_during_compute >= 1.0 and p.comm_latency_slowdown_during_compute >= 1.0
-    assert 'comm_latency_slowdown_during_compute' in json.loads(prof.read_text())  # measured, not defaulted
+    # measured, not defaulted, and what predictions use
+    assert json.loads(prof.read_text())["comm_latency_slowdown_during_compute"] == \
+        p.comm_latency_slowdown_during_compute
     # a fresh page's first write (fault, kernel zeroing) and its unmap cost something
     assert p.first_touch_ns_per_byte > 0
     obj = json.loads(prof.read_text())
