@@ -23,7 +23,7 @@ from commsim.ir.schedule import Schedule
 from commsim.ir.trace import Trace, TraceMeta, TraceRecord, TraceSource, make_trace
 from commsim.models import describe, resolve_model
 from commsim.report.metrics import Metrics, StepInfo, compute_metrics, step_info
-from commsim.sim.engine import SimConfig, SimResult, Simulator
+from commsim.sim.engine import SimConfig, SimResult, Simulator, simulate
 
 
 @dataclass(frozen=True)
@@ -205,10 +205,10 @@ def predict(sc: Scenario) -> Prediction:
     if sc.jitter is not None and sc.jitter < 0:
         raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
     try:
-        sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter))
+        Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter))  # checks the mode
     except ValueError as e:
         raise CommsimInputError(f"--mode {sc.mode}: {e}") from None
-    result = sim.run()
+    result = simulate(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter))
     metrics = compute_metrics(result, info)
     title = f"commsim predict: {what} on {hardware} = {schedule.world_size} GPUs"
     scen = {k: v for k, v in sc.__dict__.items() if k not in ("warnings", "host_costs")}

@@ -240,7 +240,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
             else f"per-rank: {len(pred.result.ranks)} ranks simulated, jitter {m.jitter:.1%}")
     if pred.result.cpu_sharing:
         mode += f"; {pred.result.cpu_sharing}"
-    print(f"mode: {mode}; seed {m.seed}")
+    if m.step_time_samples_s:
+        n = len(m.step_time_samples_s)
+        lo, hi = min(m.step_time_samples_s), max(m.step_time_samples_s)
+        print(f"mode: {mode}; seeds {args.seed}-{args.seed + n - 1}, the median one shown (seed {m.seed})")
+        print(f"rank speed drift: sd {m.rank_noise[0]:.1%}, correlation {m.rank_noise[1] * 1e3:.0f} ms (profile); "
+              f"the {n} steps took {lo:.3f}-{hi:.3f} s")
+    else:
+        print(f"mode: {mode}; seed {m.seed}")
     if m.oom:
         print(f"OUT OF MEMORY: {m.oom}")
         return 1

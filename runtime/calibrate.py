@@ -17,11 +17,13 @@ Measured:
 * the executor's own per-op costs: host time to issue a device op, and per-op overhead;
 * allocation cost by size, in a step-like steady state (heap reuse vs fresh pages),
   and on CPUs what the first write of a fresh page costs;
-* on CPUs, the cores and, with more ranks than cores, the OS time slice.
+* on CPUs, the cores and, with more ranks than cores, the OS time slice; with at most
+  one rank per core, how each rank's speed drifts apart from the others'.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -30,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from commsim.hardware.noise import fit_rank_noise
 from commsim.hardware.profile import PROFILE_SCHEMA_VERSION
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
@@ -276,6 +279,50 @@ class Calibrator:
         dist.all_reduce(res, op=dist.ReduceOp.MAX)
         return max(1.0, float(res[0])), max(1.0, float(res[1]))
 
+    # ------------------------------------------------------------ ranks drifting apart
+    def rank_noise(self, cores: int) -> dict[str, float] | None:
+        """How each rank's speed drifts on its own (CPU backends, at most one rank per
+        core): every rank runs the same GEMM back to back for a few seconds; the mean log
+        time over the median, in 10 ms bins, is gathered and fitted as an OU process
+        (commsim.hardware.noise). None on GPUs (kernel times vary by ~1%, the simulator's
+        default jitter) and with more ranks than cores (the simulated time slicing is
+        that noise)."""
+        if self.gpu or self.ranks_per_node > cores:
+            return None
+        bin_ns = 10_000_000
+        span_ns = 2_000_000_000 if self.quick else 4_000_000_000
+        op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * 256 ** 3, 0, 0, O.GemmShape(256, 256, 256, 1))
+        for _ in range(10):
+            self.kernels.run(op)
+        starts, times = [], []
+        dist.barrier()
+        t0 = time.perf_counter_ns()
+        while True:
+            t = time.perf_counter_ns()
+            if t - t0 >= span_ns:
+                break
+            self.kernels.run(op)
+            starts.append(t - t0)
+            times.append(time.perf_counter_ns() - t)
+        med = statistics.median(times)
+        nbins = span_ns // bin_ns
+        sums, counts = [0.0] * nbins, [0] * nbins
+        for st, dt in zip(starts, times):
+            b = min(st // bin_ns, nbins - 1)
+            sums[b] += math.log(dt / med)
+            counts[b] += 1
+        series, last = [], 0.0
+        for sm, c in zip(sums, counts):
+            last = sm / c if c else last  # a bin with no kernel start (descheduled): the previous
+            series.append(last)
+        mine = torch.tensor(series, dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
+        sd, corr_ns = fit_rank_noise([e.tolist() for e in every], bin_ns)
+        self.log(f"ranks' speed drift: sd {sd:.1%}, correlation {corr_ns / 1e6:.0f} ms "
+                 f"({len(times)} GEMMs of {med / 1e6:.2f} ms on rank 0)")
+        return {"sd": sd, "corr_ns": corr_ns}
+
     # ------------------------------------------------------------ the OS scheduler
     def time_slice(self, cores: int) -> int | None:
         """With more ranks than cores (CPU backends), how long the OS lets a rank run
@@ -406,6 +453,7 @@ class Calibrator:
         shapes = self.gemm_shapes()
         cores = _cpu_cores()
         slice_ns = self.time_slice(cores)
+        noise = self.rank_noise(cores)
         mem_total = torch.cuda.get_device_properties(self.device).total_memory if self.gpu else _host_memory()
         self.log(f"calibration took {time.perf_counter() - t0:.0f} s")
         return {
@@ -429,6 +477,7 @@ class Calibrator:
             "caching_allocator": self.gpu,
             **({} if self.gpu else {"cpu_cores": cores}),
             **({"time_slice_ns": slice_ns} if slice_ns else {}),
+            **({"rank_noise": noise} if noise is not None else {}),
             "alloc": {"malloc_base_ns": int(alloc_a * 1e9), "malloc_ns_per_byte": alloc_per_byte * 1e9,
                       "free_base_ns": int(alloc_a * 1e9), "free_ns_per_byte": 0.0, "points": alloc_points,
                       "first_touch_ns_per_byte": first_touch * 1e9},

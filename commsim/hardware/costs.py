@@ -57,6 +57,8 @@ class CostModel(Protocol):
     comm_slowdown: float
     comm_slowdown_during_compute: float
     comm_latency_slowdown_during_compute: float  # a collective's latency while its node computes
+    rank_noise_sd: float  # each rank's speed drift: sd of its log speed (0: none)
+    rank_noise_corr_ns: int  # and its correlation time
     issue_ns: int
     malloc_syncs_device: bool
     synchronous_compute: bool  # kernels run on the host thread (CPUs) rather than queued on a device
@@ -95,6 +97,9 @@ class SpecCostModel:
         # NCCL's copies run on their own SMs and DMA: collectives are not slowed by compute
         self.comm_slowdown_during_compute = 1.0
         self.comm_latency_slowdown_during_compute = 1.0
+        # GPUs' kernel-time variation (~1%) is per-rank mode's own jitter; no drift by default
+        self.rank_noise_sd = 0.0
+        self.rank_noise_corr_ns = 0
         # issuing a device op costs host time only through the schedule's own launch ops
         self.issue_ns = 0
         self.malloc_syncs_device = True

@@ -20,6 +20,7 @@ Format (JSON)::
      "comm_latency_slowdown_during_compute": 3,  # and their fixed latency (optional)
      "issue_ns": 20000,                 # host time to issue one device op (optional)
      "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
+     "rank_noise": {"sd": 0.1, "corr_ns": 300000000},  # ranks' speed drift (optional): see below
      "alloc": {"malloc_base_ns": 5000, "malloc_ns_per_byte": 0.0,
                "free_base_ns": 5000, "free_ns_per_byte": 0.0,
                "points": [[bytes, seconds], ...]}}  # optional: host allocations by size
@@ -35,6 +36,14 @@ With a CPU backend and more ranks per node than ``cpu_cores``, the simulator run
 node's OS scheduler: host threads and collectives' backend threads share the cores in
 time slices of ``time_slice_ns``, and every cost above (measured with all ranks busy
 at once, so with cores/ranks of a core each) is scaled to one core's worth.
+
+``rank_noise``: how each rank's speed drifts, independently of the others, as an
+Ornstein-Uhlenbeck process of log speed (standard deviation ``sd``, correlation time
+``corr_ns``). Ranks of a CPU node share cores with each other's backend threads, the
+OS and, on a VM, other tenants: on the development machine a rank's speed over 100 ms
+windows varied by 11-13% with a correlation time of a few hundred ms, so each
+synchronisation waits for whichever rank is behind. With it the simulator runs every
+rank (per-rank mode). calibrate measures it on CPU backends.
 
 A collective of ``size_bytes`` over a group of ``p`` ranks takes ``latency_ns +
 size_bytes / bytes_per_s`` alone (nccl-tests' algorithm bandwidth); concurrent
@@ -122,6 +131,9 @@ class HardwareProfile:
     # a collective's fixed latency while its node computes, over its latency alone: on a
     # CPU backend the collective's thread waits for a core at each message (calibrate)
     comm_latency_slowdown_during_compute: float = 1.0
+    # each rank's speed drift: sd of its log speed and its correlation time (0: none)
+    rank_noise_sd: float = 0.0
+    rank_noise_corr_ns: int = 0
 
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int:
         """An allocation without a caching allocator in front: measured by size when
@@ -309,7 +321,18 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         time_slice_ns=int(_num(obj, "time_slice_ns", where)) if obj.get("time_slice_ns") is not None else 0,
         first_touch_ns_per_byte=_num(alloc, "first_touch_ns_per_byte", f"{where}: alloc", positive=False)
         if "first_touch_ns_per_byte" in alloc else 0.0,
+        **_rank_noise(obj.get("rank_noise"), f"{where}: rank_noise"),
     )
+
+
+def _rank_noise(noise: Any, where: str) -> dict[str, Any]:
+    if noise is None:
+        return {}
+    if not isinstance(noise, dict):
+        raise CommsimInputError(f"{where}: must be an object {{\"sd\": >= 0, \"corr_ns\": > 0 (>= 0 when sd is 0)}}")
+    sd = _num(noise, "sd", where, positive=False)
+    corr = _num(noise, "corr_ns", where, positive=bool(sd))
+    return {"rank_noise_sd": sd, "rank_noise_corr_ns": int(corr)}
 
 
 def load_profile(path: str | Path, precision: str | None = None) -> HardwareProfile:

@@ -203,6 +203,10 @@ class Metrics:
     jitter: float
     oom: str | None
     flops_source: str
+    # ranks' speed drift (sd, correlation s) and, with it, every seeded step's time
+    # (the step reported is their median)
+    rank_noise: tuple[float, float] = (0.0, 0.0)
+    step_time_samples_s: tuple[float, ...] = ()
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -247,4 +251,6 @@ def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) 
         jitter=result.jitter,
         oom=result.oom,
         flops_source=info.flops_source,
+        rank_noise=(result.rank_noise[0], result.rank_noise[1] / 1e9),
+        step_time_samples_s=tuple(t / 1e9 for t in result.step_samples_ns),
     )

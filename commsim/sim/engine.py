@@ -34,7 +34,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from math import ceil
+from math import ceil, exp, sqrt
 
 import simpy
 
@@ -54,6 +54,12 @@ class SimConfig:
     # per-rank mode, 0 in symmetric mode). Run-to-run kernel variation of about 1% is
     # typical on datacenter GPUs; `commsim calibrate` measures it.
     jitter: float | None = None
+    # A rank's speed drifting over time (per-rank mode): every kernel and copy of a rank
+    # is scaled by exp(x(t)), x an Ornstein-Uhlenbeck process of this standard deviation
+    # and correlation time, independent per rank. None: the cost model's measured
+    # values (``commsim calibrate`` on CPU backends), else none.
+    rank_noise_sd: float | None = None
+    rank_noise_corr_ns: int | None = None
     launch_queue_depth: int = 1024  # CUDA's pending-launch queue holds about 1024 kernels
     alloc_hit_ns: int = 1_000  # caching-allocator hit: about 1 us of host time (allocator.md)
     keep_trace: bool = True
@@ -105,6 +111,8 @@ class SimResult:
     seed: int = 0
     jitter: float = 0.0
     cpu_sharing: str = ""  # with more ranks than cores: how the simulated scheduler shared them
+    rank_noise: tuple[float, int] = (0.0, 0)  # (sd, correlation ns) of the ranks' speed drift
+    step_samples_ns: tuple[int, ...] = ()  # with rank noise: every seeded step's time (median chosen)
 
 
 class _Rendezvous:
@@ -274,6 +282,9 @@ class _RankSim:
         self.rng = random.Random(sim.config.seed * 1_000_003 + rank)
         self.node = sim.cost.node_of(rank)
         self.jitter = sim.jitter
+        self.noise_sd, self.noise_corr_ns = sim.rank_noise
+        self.noise_x = self.rng.gauss(0.0, self.noise_sd) if self.noise_sd else 0.0
+        self.noise_t = 0
         self.finished_issuing = False
         self.stream_comm = sim.stream_comm(self.program)
         self.cpu = sim.cpus.get(self.node)  # None: host and kernels need no scheduling
@@ -437,6 +448,7 @@ class _RankSim:
                 dur = int(dur * cost.comm_slowdown)
             if self.jitter:
                 dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
+            dur = self._speed(dur)
             if self.cpu is not None:
                 yield from self._on_core(dur)
                 return
@@ -446,10 +458,22 @@ class _RankSim:
         elif cost.synchronous_compute and self.cpu is None:
             # a CPU copy is the rank's thread at work too: the backend's thread competes with it
             self.sim.compute_started(self.node)
-            yield env.timeout(cost.copy_ns(op))
+            yield env.timeout(self._speed(cost.copy_ns(op)))
             self.sim.compute_ended(self.node)
         else:
-            yield from self._on_core(cost.copy_ns(op))
+            yield from self._on_core(self._speed(cost.copy_ns(op)))
+
+    def _speed(self, dur: int) -> int:
+        """A duration scaled by the rank's speed now: the OU process advanced from its
+        last sample, exp(x - sd^2/2) so that its mean factor is 1."""
+        if not self.noise_sd:
+            return dur
+        dt = self.env.now - self.noise_t
+        self.noise_t = self.env.now
+        if dt:
+            rho = exp(-dt / self.noise_corr_ns)
+            self.noise_x = self.noise_x * rho + self.noise_sd * sqrt(1.0 - rho * rho) * self.rng.gauss(0.0, 1.0)
+        return max(1, int(dur * exp(self.noise_x - self.noise_sd ** 2 / 2)))
 
     def _on_core(self, measured_ns: int):
         """Host-thread work of a measured cost: on a scheduled CPU, one core's worth of it
@@ -654,15 +678,18 @@ class Simulator:
         # same program over their own groups, as the generator declares.
         symmetric_ok = len(schedule.programs) == 1 or schedule.meta.knob("rank_symmetric") is True
         oversubscribed = _oversubscribed(cost)
+        noise_sd, noise_corr_ns = rank_noise(cost, config)
         if mode == "auto":
-            # more ranks than cores: their time slices matter, so every rank is simulated
-            mode = "symmetric" if symmetric_ok and not oversubscribed else "per-rank"
+            # more ranks than cores: their time slices matter, so every rank is simulated;
+            # so do ranks whose speed drifts apart (measured): each sync waits for the slower
+            mode = "symmetric" if symmetric_ok and not oversubscribed and not noise_sd else "per-rank"
         if mode == "symmetric" and not symmetric_ok:
             raise ValueError("symmetric mode needs every rank to run the same program (up to its groups)")
         if mode not in ("symmetric", "per-rank"):
             raise ValueError(f"mode {mode!r}: allowed: symmetric, per-rank, auto")
         self.mode = mode
         self.jitter = config.jitter if config.jitter is not None else (0.01 if mode == "per-rank" else 0.0)
+        self.rank_noise = (noise_sd, noise_corr_ns) if mode == "per-rank" and noise_sd else (0.0, 0)
         self.env = simpy.Environment()
         self.ranks = {0} if mode == "symmetric" else set(range(schedule.world_size))
         self.nodes = {cost.node_of(r) for r in self.ranks}
@@ -811,7 +838,46 @@ class Simulator:
             s.result.end_ns = max(ends) if ends else 0
         step = max((s.result.end_ns for s in sims.values()), default=0)
         return SimResult(self.mode, {r: s.result for r, s in sims.items()}, step, oom=self.oom,
-                         seed=self.config.seed, jitter=self.jitter, cpu_sharing=self.cpu_sharing)
+                         seed=self.config.seed, jitter=self.jitter, cpu_sharing=self.cpu_sharing,
+                         rank_noise=self.rank_noise)
+
+
+def rank_noise(cost: CostModel, config: SimConfig) -> tuple[float, int]:
+    """(sd, correlation ns) of the ranks' speed drift: the config's, else the cost
+    model's (measured by calibrate on CPU backends; spec models have none)."""
+    sd = config.rank_noise_sd if config.rank_noise_sd is not None else cost.rank_noise_sd
+    corr = config.rank_noise_corr_ns if config.rank_noise_corr_ns is not None else cost.rank_noise_corr_ns
+    if sd < 0 or (sd and corr <= 0):
+        raise ValueError(f"rank noise sd {sd}, correlation {corr} ns: the sd must be >= 0 and, "
+                         "when it is not 0, the correlation time > 0")
+    return (float(sd), int(corr)) if sd else (0.0, 0)
+
+
+# Step times of a noisy prediction: the median of this many seeded steps (seeds
+# seed, seed+1, ...), as a measurement reports the median of its steps. With a drift
+# like the development machine's (sd 0.1, 200 ms), one simulated step of the 2-rank
+# ZeRO-3 small-buckets row varied by 3.5% (sd) between seeds, the median of 9 by 1.3%.
+NOISE_SAMPLES = 9
+
+
+def simulate(schedule: Schedule, cost: CostModel, config: SimConfig = SimConfig()) -> SimResult:
+    """Simulate a step. When ranks' speeds drift (rank noise), one step is one draw of a
+    random process: simulate NOISE_SAMPLES seeded steps and return the median one, with
+    all their step times in ``step_samples_ns``."""
+    first = Simulator(schedule, cost, config)
+    if not first.rank_noise[0]:
+        return first.run()
+    from dataclasses import replace as _replace
+
+    results = [first.run()]
+    results += [Simulator(schedule, cost, _replace(config, seed=config.seed + i)).run()
+                for i in range(1, NOISE_SAMPLES)]
+    if any(r.oom for r in results):
+        return next(r for r in results if r.oom)
+    order = sorted(results, key=lambda r: r.step_time_ns)
+    median = order[len(order) // 2]
+    median.step_samples_ns = tuple(r.step_time_ns for r in results)
+    return median
 
 
 # Linux's time slice between runnable threads, for profiles that did not measure it:

@@ -128,6 +128,24 @@ def test_profile_collective_slowdowns_while_computing(tmp_path):
         load_profile(path)
 
 
+def test_profile_rank_drift(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(PROFILE))
+    p = load_profile(path)
+    assert (p.rank_noise_sd, p.rank_noise_corr_ns) == (0.0, 0)  # not measured
+    path.write_text(json.dumps({**PROFILE, "rank_noise": {"sd": 0.12, "corr_ns": 2.5e8}}))
+    p = load_profile(path)
+    assert (p.rank_noise_sd, p.rank_noise_corr_ns) == (0.12, 250_000_000)
+    path.write_text(json.dumps({**PROFILE, "rank_noise": {"sd": 0, "corr_ns": 0}}))  # measured: none found
+    assert load_profile(path).rank_noise_sd == 0.0
+    path.write_text(json.dumps({**PROFILE, "rank_noise": {"sd": 0.1, "corr_ns": 0}}))
+    with pytest.raises(CommsimInputError, match=r"p.json: rank_noise: field 'corr_ns' must be a positive number, got 0"):
+        load_profile(path)
+    path.write_text(json.dumps({**PROFILE, "rank_noise": 0.1}))
+    with pytest.raises(CommsimInputError, match=r"p.json: rank_noise: must be an object"):
+        load_profile(path)
+
+
 def test_profile_host_allocations_by_measured_size(tmp_path):
     """Below glibc's mmap threshold a host allocation reuses heap pages; above it, fresh
     pages: the measured table is interpolated by size, not one line through both."""

@@ -34,6 +34,10 @@ def test_quick_calibration_then_predict(tmp_path):
     # a fresh page's first write (fault, kernel zeroing) and its unmap cost something
     assert p.first_touch_ns_per_byte > 0
     obj = json.loads(prof.read_text())
+    # ranks' speed drift: measured with at most one rank per core, and what predictions use
+    assert ("rank_noise" in obj) == (obj["cpu_cores"] >= 2)
+    if "rank_noise" in obj:
+        assert (p.rank_noise_sd, p.rank_noise_corr_ns) == (obj["rank_noise"]["sd"], obj["rank_noise"]["corr_ns"])
     assert set(obj["gemm_by_dtype"]) == {"fp32", "bf16"}
     # the schedule's own GEMM shapes, timed in its precision (bf16: the default config)
     from commsim.ir import ops as O
@@ -46,7 +50,11 @@ def test_quick_calibration_then_predict(tmp_path):
                           "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "--hw-profile", str(prof),
                           "--json"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["step_time_s"] > 0
+    m = json.loads(res.stdout)
+    assert m["step_time_s"] > 0
+    if p.rank_noise_sd:  # drifting ranks: every rank simulated, the median of seeded steps
+        assert m["mode"] == "per-rank" and len(m["step_time_samples_s"]) == 9
+        assert m["step_time_s"] == sorted(m["step_time_samples_s"])[4]
 
 
 def test_calibrate_and_execute_under_torchrun(tmp_path):

@@ -8,6 +8,8 @@ class FixedCosts:
     comm_slowdown = 1.0
     comm_slowdown_during_compute = 1.0
     comm_latency_slowdown_during_compute = 1.0
+    rank_noise_sd = 0.0
+    rank_noise_corr_ns = 0
     issue_ns = 0
     malloc_syncs_device = True
     synchronous_compute = False

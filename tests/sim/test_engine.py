@@ -244,3 +244,47 @@ def test_more_ranks_than_cores_are_time_sliced():
     costs.cpu_cores = 4  # a core per rank: no scheduling, one rank simulated
     res = run(Schedule.uniform(4, Program((), (comp(1, 8),))), mode="auto", costs=costs)
     assert res.mode == "symmetric" and res.step_time_ns == 8 and res.cpu_sharing == ""
+
+
+def test_rank_drift_keeps_the_mean_speed_and_makes_synchronisations_wait():
+    """Each rank's kernels are scaled by its own OU speed drift: over a long chain the
+    mean factor is 1 (exp(x - sd^2/2)), but a collective after every few kernels waits
+    for whichever rank is behind, so a synchronising program gets slower."""
+    noisy = dict(rank_noise_sd=0.1, rank_noise_corr_ns=20_000_000)
+    chain = Program((), tuple(comp(i, 1_000_000) for i in range(1, 1001)))
+    quiet = run(Schedule.uniform(1, chain)).step_time_ns
+    assert quiet == 1_000_000_000
+    drifted = run(Schedule.uniform(1, chain), **noisy).step_time_ns
+    assert drifted != quiet and abs(drifted / quiet - 1) < 0.02
+    ops, i = [], 1
+    for _ in range(100):
+        ops += [comp(i + k, 1_000_000) for k in range(10)]
+        ops.append(coll(i + 10, 1, (0, 1), stream=C))
+        i += 11
+    synced = Schedule.uniform(2, Program((), tuple(ops)))
+    assert run(synced).step_time_ns == 1_000_000_000 + 100 * 1
+    # every 10 ms the ranks meet and the one ahead waits: about 4% over seeds 0-3 (3.0-5.1%)
+    assert run(synced, **noisy).step_time_ns > 1.02 * 1_000_000_000
+
+
+def test_measured_drift_simulates_every_rank_and_reports_the_median_of_seeded_steps():
+    from commsim.sim.engine import NOISE_SAMPLES, simulate
+
+    prog = Program((), (comp(1, 10_000_000), coll(2, 1, (0, 1), stream=C), comp(3, 10_000_000)))
+    costs = FixedCosts()
+    assert Simulator(Schedule.uniform(2, prog), costs).mode == "symmetric"
+    assert simulate(Schedule.uniform(2, prog), costs).step_samples_ns == ()
+    costs.rank_noise_sd, costs.rank_noise_corr_ns = 0.1, 5_000_000
+    assert Simulator(Schedule.uniform(2, prog), costs).mode == "per-rank"
+    res = simulate(Schedule.uniform(2, prog), costs, SimConfig(seed=4))
+    assert len(res.step_samples_ns) == NOISE_SAMPLES and len(set(res.step_samples_ns)) == NOISE_SAMPLES
+    assert res.step_time_ns == sorted(res.step_samples_ns)[NOISE_SAMPLES // 2]
+    assert res.rank_noise == (0.1, 5_000_000)
+    assert res.step_samples_ns[0] == Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=4)).run().step_time_ns
+    costs.rank_noise_corr_ns = 0
+    try:
+        Simulator(Schedule.uniform(2, prog), costs)
+    except ValueError as e:
+        assert "correlation time > 0" in str(e)
+    else:
+        raise AssertionError("a drift without a correlation time was accepted")

@@ -1,0 +1,49 @@
+"""Fitting the ranks' speed drift from a measurement (pure; calibrate supplies the data).
+
+Each rank ran the same kernel back to back; ``series[r][t]`` is the mean log of its
+kernel times over their median, in time bin ``t``. The common part of all ranks (the
+whole machine faster or slower for a while) delays no rank relative to another, so it
+is removed: what is left is each rank's own drift plus the kernel-to-kernel noise of
+the bin. Modelled as an Ornstein-Uhlenbeck process (as the simulator runs it), the
+drift's autocovariance at lag k >= 1 is sd^2 (1 - 1/n) rho^k; the per-kernel noise only
+adds to lag 0, so the fit uses lags 1 and up: a least-squares line through
+log C(k), k = 1 .. the last lag before the covariance first drops to zero (at most
+``max_lag``). Its intercept gives sd, its slope the correlation time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def fit_rank_noise(series: Sequence[Sequence[float]], bin_ns: int, max_lag: int = 30) -> tuple[float, int]:
+    """(sd of a rank's log speed, correlation time ns); (0, 0) when no correlated drift
+    is found (fewer than two positive lags). A slope that does not decay within the
+    fit's lags gives the length of the series as the correlation time (a lower bound)."""
+    n = len(series)
+    assert n >= 2 and bin_ns > 0, "needs two ranks' series and a bin width"
+    m = len(series[0])
+    assert all(len(s) == m for s in series), "every rank's series has the same bins"
+    common = [sum(s[t] for s in series) / n for t in range(m)]
+    dev = []
+    for s in series:
+        d = [s[t] - common[t] for t in range(m)]
+        mean = sum(d) / m
+        dev.append([x - mean for x in d])
+    lags, logs = [], []
+    for k in range(1, min(max_lag, m - 2) + 1):
+        c = sum(d[t] * d[t + k] for d in dev for t in range(m - k)) / (n * (m - k))
+        if c <= 0:
+            break
+        lags.append(k)
+        logs.append(math.log(c))
+    if len(lags) < 2:
+        return 0.0, 0
+    kx = sum(lags) / len(lags)
+    ly = sum(logs) / len(logs)
+    slope = sum((k - kx) * (y - ly) for k, y in zip(lags, logs)) / sum((k - kx) ** 2 for k in lags)
+    intercept = ly - slope * kx
+    sd = math.sqrt(math.exp(intercept) * n / (n - 1))
+    corr_ns = int(-bin_ns / slope) if slope < 0 else m * bin_ns
+    return sd, min(corr_ns, m * bin_ns)
