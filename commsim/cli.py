@@ -202,7 +202,9 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
         return
     p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto",
                    help="symmetric: simulate one rank for identical ranks (fast); per-rank: every rank, with "
-                   "jitter, stragglers and per-rank allocator flushes (default auto: symmetric when ranks are identical)")
+                   "jitter, stragglers, per-rank allocator flushes and, from a profile that measured it, each rank's "
+                   "speed drift (the median of 9 seeded steps) (default auto: symmetric when ranks are identical and "
+                   "the profile measured no drift)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-rank jitter RNG (default 0)")
     p.add_argument("--jitter", type=float,
                    help="relative std-dev of compute kernel times per rank (default 0.01 per-rank, 0 symmetric)")

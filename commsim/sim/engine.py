@@ -25,7 +25,9 @@ all ranks busy at once are scaled back to one core's worth (cores / ranks).
 
 Symmetric mode simulates rank 0 alone: its collectives start as soon as it reaches
 them, as if every identical rank arrived at the same moment. Per-rank mode simulates
-every rank (jitter, stragglers, one rank's allocator flush delaying the others).
+every rank (jitter, stragglers, one rank's allocator flush delaying the others, and
+each rank's speed drifting on its own where a profile measured that: ``simulate``
+then reports the median of several seeded steps).
 Time is integer nanoseconds.
 """
 
