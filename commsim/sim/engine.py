@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import ceil, exp, sqrt
 
 import simpy
@@ -808,9 +808,7 @@ class Simulator:
         if self.mode == "per-rank" and warmup and len(self.schedule.programs) == 1:
             # Identical programs reach the same allocator state: simulate the warm-up
             # once (symmetric, no jitter) and start every rank from a copy of it.
-            from dataclasses import replace as _replace
-
-            pre = Simulator(self.schedule, self.cost, _replace(self.config, mode="symmetric", jitter=0.0,
+            pre = Simulator(self.schedule, self.cost, replace(self.config, mode="symmetric", jitter=0.0,
                                                                warmup_steps=warmup - 1, keep_trace=False))
             pre_result = pre.run()
             if pre_result.oom is not None:
@@ -869,10 +867,8 @@ def simulate(schedule: Schedule, cost: CostModel, config: SimConfig = SimConfig(
     first = Simulator(schedule, cost, config)
     if not first.rank_noise[0]:
         return first.run()
-    from dataclasses import replace as _replace
-
     results = [first.run()]
-    results += [Simulator(schedule, cost, _replace(config, seed=config.seed + i)).run()
+    results += [Simulator(schedule, cost, replace(config, seed=config.seed + i)).run()
                 for i in range(1, NOISE_SAMPLES)]
     if any(r.oom for r in results):
         return next(r for r in results if r.oom)
