@@ -809,7 +809,7 @@ class Simulator:
             # Identical programs reach the same allocator state: simulate the warm-up
             # once (symmetric, no jitter) and start every rank from a copy of it.
             pre = Simulator(self.schedule, self.cost, replace(self.config, mode="symmetric", jitter=0.0,
-                                                               warmup_steps=warmup - 1, keep_trace=False))
+                                                              warmup_steps=warmup - 1, keep_trace=False))
             pre_result = pre.run()
             if pre_result.oom is not None:
                 return SimResult(self.mode, pre_result.ranks, 0, oom=pre_result.oom, seed=self.config.seed,
