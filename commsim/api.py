@@ -205,10 +205,10 @@ def predict(sc: Scenario) -> Prediction:
     if sc.jitter is not None and sc.jitter < 0:
         raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
     try:
-        Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter))  # checks the mode
+        sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter))
     except ValueError as e:
         raise CommsimInputError(f"--mode {sc.mode}: {e}") from None
-    result = simulate(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter))
+    result = simulate(sim)
     metrics = compute_metrics(result, info)
     title = f"commsim predict: {what} on {hardware} = {schedule.world_size} GPUs"
     scen = {k: v for k, v in sc.__dict__.items() if k not in ("warnings", "host_costs")}

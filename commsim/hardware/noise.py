@@ -45,5 +45,5 @@ def fit_rank_noise(series: Sequence[Sequence[float]], bin_ns: int, max_lag: int 
     slope = sum((k - kx) * (y - ly) for k, y in zip(lags, logs)) / sum((k - kx) ** 2 for k in lags)
     intercept = ly - slope * kx
     sd = math.sqrt(math.exp(intercept) * n / (n - 1))
-    corr_ns = int(-bin_ns / slope) if slope < 0 else m * bin_ns
-    return sd, min(corr_ns, m * bin_ns)
+    length_ns = m * bin_ns
+    return sd, min(int(-bin_ns / slope), length_ns) if slope < 0 else length_ns

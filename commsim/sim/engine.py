@@ -705,6 +705,7 @@ class Simulator:
         self._stream_comm: dict[int, dict[str, str]] = {}
         self.cpus: dict[int, CpuScheduler] = {}
         self.cpu_sharing = ""
+        self.warm: _RankSim | None = None  # set by run(): the warmed-up rank every rank started from
         if oversubscribed and mode == "per-rank":
             slice_ns = int(getattr(cost, "time_slice_ns", 0) or DEFAULT_TIME_SLICE_NS)
             self.cpus = {n: CpuScheduler(self.env, cost.cpu_cores, slice_ns) for n in self.nodes}
@@ -801,11 +802,15 @@ class Simulator:
         yield from cpu.run(th, work_ns)
         cpu.release(th)
 
-    def run(self) -> SimResult:
+    def run(self, warm_from: "_RankSim | None" = None) -> SimResult:
+        """Simulate the step. ``warm_from``: a warmed-up rank of an earlier run of the same
+        schedule and costs (``self.warm``), so that seeded repeats skip the warm-up."""
         sims = {r: _RankSim(self, r) for r in sorted(self.ranks)}
         warmup = self.config.warmup_steps
         warm = None
-        if self.mode == "per-rank" and warmup and len(self.schedule.programs) == 1:
+        if self.mode == "per-rank" and warmup and len(self.schedule.programs) == 1 and warm_from is not None:
+            warm, warmup = warm_from, 0
+        elif self.mode == "per-rank" and warmup and len(self.schedule.programs) == 1:
             # Identical programs reach the same allocator state: simulate the warm-up
             # once (symmetric, no jitter) and start every rank from a copy of it.
             pre = Simulator(self.schedule, self.cost, replace(self.config, mode="symmetric", jitter=0.0,
@@ -816,6 +821,7 @@ class Simulator:
                                  jitter=self.jitter)
             warm = pre.sims[0]
             warmup = 0
+        self.warm = warm  # the rank every rank started from (None: each warmed up itself)
         self.sims = sims
         try:
             for s in sims.values():
@@ -860,20 +866,20 @@ def rank_noise(cost: CostModel, config: SimConfig) -> tuple[float, int]:
 NOISE_SAMPLES = 9
 
 
-def simulate(schedule: Schedule, cost: CostModel, config: SimConfig = SimConfig()) -> SimResult:
-    """Simulate a step. When ranks' speeds drift (rank noise), one step is one draw of a
-    random process: simulate NOISE_SAMPLES seeded steps and return the median one, with
-    all their step times in ``step_samples_ns``."""
-    first = Simulator(schedule, cost, config)
-    if not first.rank_noise[0]:
-        return first.run()
-    results = [first.run()]
-    results += [Simulator(schedule, cost, replace(config, seed=config.seed + i)).run()
-                for i in range(1, NOISE_SAMPLES)]
-    if any(r.oom for r in results):
-        return next(r for r in results if r.oom)
-    order = sorted(results, key=lambda r: r.step_time_ns)
-    median = order[len(order) // 2]
+def simulate(sim: Simulator) -> SimResult:
+    """Run a simulator's step. When ranks' speeds drift (rank noise), one step is one
+    draw of a random process: NOISE_SAMPLES seeded steps are simulated (seeds seed,
+    seed+1, ..., all starting from the first one's warm-up, which has no noise) and the
+    median one is returned, with every step time in ``step_samples_ns``."""
+    first = sim.run()
+    if not sim.rank_noise[0] or first.oom:
+        return first
+    results = [first] + [Simulator(sim.schedule, sim.cost, replace(sim.config, seed=sim.config.seed + i))
+                         .run(warm_from=sim.warm) for i in range(1, NOISE_SAMPLES)]
+    oom = next((r for r in results if r.oom), None)
+    if oom is not None:
+        return oom
+    median = sorted(results, key=lambda r: r.step_time_ns)[len(results) // 2]
     median.step_samples_ns = tuple(r.step_time_ns for r in results)
     return median
 
