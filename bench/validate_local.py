@@ -14,7 +14,15 @@ GEMM ran 4.4 ms and 6.7 ms in back-to-back trials (its vCPUs share physical core
 other tenants), so a profile measured once drifts by 10-20% over a 15-minute grid, and
 one calibration can fall into a slow minute the run itself does not see (run I's worst
 row); the mean of before and after halves that. ``--before-only`` skips the second.
-``--calibrate-once`` calibrates once per rank count and link instead (faster). Rows marked ``deepspeed`` run real
+``--calibrate-once`` calibrates once per rank count and link instead (faster).
+
+Each row runs twice (``--repeats``), every run between calibrations of its own
+(calibrate, run, calibrate, run, calibrate): the row's error compares the mean
+prediction with the mean measurement, and every run's own error is printed beside it.
+One pair is one sample of a noisy machine: in three full grids (runs Q, R, S) the
+executor's GEMMs ran at 0.79-1.20x the rate their row's calibrations priced, and the
+4-rank ZeRO-2 row measured 2.46, 2.45 and 2.47 s while its calibrations moved its
+prediction from 2.45 to 2.00 s; a second pair halves that noise's variance. Rows marked ``deepspeed`` run real
 DeepSpeed (DS_ACCELERATOR=cpu, gloo) on the same model and config instead of our
 executor, timing its steps; their prediction uses host costs that calibrate measured
 from DeepSpeed itself (on a different, tiny model). Rows marked ``slow-link`` /
@@ -198,7 +206,14 @@ def main() -> None:
     ap.add_argument("--before-only", action="store_true",
                     help="calibrate each row only before it runs (default: before and after, and predict with the "
                          "mean of the two, so one slow minute of the machine counts half)")
+    ap.add_argument("--repeats", type=int, metavar="N",
+                    help="run each row N times, each run between two calibrations of its own (calibrate, run, "
+                         "calibrate, run, ..., calibrate), and compare the means (default 2; 1 with --quick)")
     args = ap.parse_args()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 2
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: must be at least 1")
     rows = [r for r in GRID if not (args.quick and (r.ranks > 2 or r.runner == "deepspeed"))]
     if args.skip_deepspeed:
         rows = [r for r in rows if r.runner != "deepspeed"]
@@ -252,63 +267,83 @@ def main() -> None:
             print(f"calibrating {key} ...", flush=True)
             calibrate(key, profiles[key], shape_files.get(key, []))
     results = []
-    print(f"{'row':<28}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}", flush=True)
+    print(f"{'row':<28}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}"
+          + ("   (each run)" if args.repeats > 1 else ""), flush=True)
     def with_host_costs(row: Row, profile: Path) -> None:
         if row.runner == "deepspeed":
             obj = json.loads(profile.read_text())
             obj["host_costs"] = host_costs
             profile.write_text(json.dumps(obj, indent=1))
 
+    def measure(row: Row, cfg_path: Path, sched_path: Path, out: Path) -> float:
+        if row.runner == "deepspeed":
+            return measure_deepspeed(row, cfg_path, work, steps)
+        if row.runner in LINK_RATE:
+            links[row.runner].run_ranks(["execute", str(sched_path), "--steps", str(steps),
+                                         "--warmup", str(EXECUTOR_WARMUP), "-o", str(out)])
+            return statistics.median(json.loads(out.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
+        return measure_executor(row, sched_path, out, steps)
+
+    def calibrated(row: Row, i: int, name: str) -> Path:
+        path = work / f"profile{i}{name}.json"
+        calibrate(row_key(row), path, row_shapes[i])
+        with_host_costs(row, path)
+        return path
+
+    single_errs = []
     for i, row in enumerate(rows):
         cfg_path = work / f"ds{i}.json"
         cfg_path.write_text(json.dumps(ds_config(row)))
-        if args.calibrate_once:
-            profile = profiles[row_key(row)]
+        # cals[k]: the machine's state right before repeat k (and, but for --before-only,
+        # cals[k + 1] right after it): calibrate, run, calibrate, run, ..., calibrate
+        if args.calibrate_once:  # a copy: a DeepSpeed row's host costs must not reach the next row
+            cals = [work / f"profile{i}.json"] * (args.repeats + 1)
+            shutil.copy(profiles[row_key(row)], cals[0])
+            with_host_costs(row, cals[0])
         else:
-            profile = work / f"profile{i}.json"
-            calibrate(row_key(row), profile, row_shapes[i])
-        with_host_costs(row, profile)
+            cals = [calibrated(row, i, "")]
         sc = Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=str(cfg_path), seq=row.seq,
-                      preset=row.preset, hw_profile=str(profile))
+                      preset=row.preset, hw_profile=str(cals[0]))
         schedule = build_schedule(sc)[0]
         sched_path = work / f"sched{i}.json"
         save_schedule(schedule, sched_path)
-        out = work / f"measured{i}.json"
-        if row.runner == "deepspeed":
-            meas = measure_deepspeed(row, cfg_path, work, steps)
-        elif row.runner in LINK_RATE:
-            links[row.runner].run_ranks(["execute", str(sched_path), "--steps", str(steps),
-                                         "--warmup", str(EXECUTOR_WARMUP), "-o", str(out)])
-            meas = statistics.median(json.loads(out.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
-        else:
-            meas = measure_executor(row, sched_path, out, steps)
-        if not (args.calibrate_once or args.before_only):
-            # the machine's state around the run: the mean of a calibration before and after
-            after = work / f"profile{i}.after.json"
-            calibrate(row_key(row), after, row_shapes[i])
-            with_host_costs(row, after)
-            try:
-                mean = mean_profile(json.loads(profile.read_text()), json.loads(after.read_text()))
-            except CommsimInputError as e:  # a calibration that measured other sizes: keep the first
-                print(f"  ({row.name}: before/after profiles not averaged: {e})", flush=True)
-            else:
-                profile = work / f"profile{i}.mean.json"
-                profile.write_text(json.dumps(mean, indent=1))
-                sc = replace(sc, hw_profile=str(profile))
-        pred = predict(sc).metrics.step_time_s
-        if row.runner != "deepspeed":
-            if args.traces:
+        preds, meass = [], []
+        for k in range(args.repeats):
+            tag = "" if k == 0 else f".{k + 1}"
+            out = work / f"measured{i}{tag}.json"
+            meass.append(measure(row, cfg_path, sched_path, out))
+            if not args.calibrate_once and (not args.before_only or k + 1 < args.repeats):
+                cals.append(calibrated(row, i, f".after{tag}"))
+            profile = cals[k]
+            if not (args.calibrate_once or args.before_only):
+                # the machine's state around the run: the mean of a calibration before and after
+                try:
+                    mean = mean_profile(json.loads(cals[k].read_text()), json.loads(cals[k + 1].read_text()))
+                except CommsimInputError as e:  # a calibration that measured other sizes: keep the first
+                    print(f"  ({row.name}: before/after profiles not averaged: {e})", flush=True)
+                else:
+                    profile = work / f"profile{i}.mean{tag}.json"
+                    profile.write_text(json.dumps(mean, indent=1))
+            preds.append(predict(replace(sc, hw_profile=str(profile))).metrics.step_time_s)
+            single_errs.append(abs(preds[-1] - meass[-1]) / meass[-1])
+            if k == 0 and row.runner != "deepspeed" and args.traces:
                 dest = Path(args.traces)
                 dest.mkdir(parents=True, exist_ok=True)
                 from commsim.ir.trace import Trace
 
                 Trace.load(out).save(dest / (row.name.replace(" ", "_") + ".json.gz"))
                 shutil.copy(profile, dest / (row.name.replace(" ", "_") + ".profile.json"))
+        pred, meas = statistics.fmean(preds), statistics.fmean(meass)
         err = (pred - meas) / meas
         results.append((row, pred, meas, err))
-        print(f"{row.name:<28}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}", flush=True)
+        each = ", ".join(f"{(p - m) / m:+.1%}" for p, m in zip(preds, meass))
+        print(f"{row.name:<28}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}"
+              + (f"   ({each})" if args.repeats > 1 else ""), flush=True)
     errs = [abs(e) for *_, e in results]
     print(f"(took {time.time() - t0:.0f} s; work files in {work})")
+    if args.repeats > 1:
+        print(f"each run on its own: median |error| = {statistics.median(single_errs):.1%}  "
+              f"max |error| = {max(single_errs):.1%}  runs = {len(single_errs)}")
     print(f"median |error| = {statistics.median(errs):.1%}  max |error| = {max(errs):.1%}  rows = {len(errs)}")
 
 
