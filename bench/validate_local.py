@@ -1,7 +1,7 @@
 """Local validation: predictions with a calibrated profile against real runs on this machine.
 
-    python bench/validate_local.py                 # the full grid (several minutes)
-    python bench/validate_local.py --quick         # 8 rows, shorter runs
+    python bench/validate_local.py                 # the full grid (about 50 minutes on 2 cores)
+    python bench/validate_local.py --quick         # 8 rows, shorter runs, one run each
     python bench/validate_local.py --traces traces # also keep the measured traces there
 
 Steps, for every row of the grid: ``commsim calibrate`` with the row's ranks (timing,
@@ -19,10 +19,12 @@ row); the mean of before and after halves that. ``--before-only`` skips the seco
 Each row runs twice (``--repeats``), every run between calibrations of its own
 (calibrate, run, calibrate, run, calibrate): the row's error compares the mean
 prediction with the mean measurement, and every run's own error is printed beside it.
-One pair is one sample of a noisy machine: in three full grids (runs Q, R, S) the
-executor's GEMMs ran at 0.79-1.20x the rate their row's calibrations priced, and the
+One pair is one sample of a noisy machine: over three full grids (runs Q, R, S) the
+executor's GEMMs took 0.78-1.20x the time their row's calibrations priced, and the
 4-rank ZeRO-2 row measured 2.46, 2.45 and 2.47 s while its calibrations moved its
-prediction from 2.45 to 2.00 s; a second pair halves that noise's variance. Rows marked ``deepspeed`` run real
+prediction from 2.45 to 2.00 s. Two pairs average the part of that noise that changes
+within minutes (in run T a row's two runs differed by 2.6 points of error in the
+median); the part that changes over tens of minutes stays. Rows marked ``deepspeed`` run real
 DeepSpeed (DS_ACCELERATOR=cpu, gloo) on the same model and config instead of our
 executor, timing its steps; their prediction uses host costs that calibrate measured
 from DeepSpeed itself (on a different, tiny model). Rows marked ``slow-link`` /
