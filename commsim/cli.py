@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -266,7 +267,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
           f"{_fmt_bytes(m.peak_reserved_bytes)} of {_fmt_bytes(pred.hbm_bytes)}; allocator retries "
           f"{m.alloc_retries}, cache flushes {m.alloc_flushes}")
     if m.cost_usd_per_step == m.cost_usd_per_step and m.cost_usd_per_step > 0:
-        print(f"{'cost':<22}${m.cost_usd_per_step:.3f} per step, ${m.cost_usd_per_million_tokens:.2f} per million tokens")
+        per_tokens = (f"${m.cost_usd_per_million_tokens:.2f} per million tokens"
+                      if math.isfinite(m.cost_usd_per_million_tokens) else "no tokens (the schedule names no model)")
+        print(f"{'cost':<22}${m.cost_usd_per_step:.3f} per step, {per_tokens}")
     return 0
 
 

@@ -143,6 +143,19 @@ def test_predict_schedule_file_must_match_cluster(tmp_path):
     assert ok["mode"] == "per-rank" and ok["step_time_s"] > 0
 
 
+def test_predict_hand_made_schedule_without_model(tmp_path, tiny_schedule):
+    """A hand-written schedule names no model, so it has no tokens: the step is still
+    predicted, the cost per token is absent (null in JSON, said in words), not a crash."""
+    s = tmp_path / "s.json"
+    save_schedule(Schedule.uniform(2, tiny_schedule.programs[0]), s)  # no ScheduleMeta: no model
+    res = predict_json("--schedule", str(s), "--nodes", "1", "--gpus-per-node", "2")
+    assert res["step_time_s"] > 0 and res["tokens_per_s"] == 0.0
+    assert res["cost_usd_per_million_tokens"] is None and res["cost_usd_per_step"] > 0
+    out = run("predict", "--schedule", str(s), "--nodes", "1", "--gpus-per-node", "2")
+    assert out.returncode == 0, out.stderr
+    assert "per step, no tokens (the schedule names no model)" in out.stdout
+
+
 def test_predict_with_a_measured_profile(tmp_path):
     from tests.hardware.test_costs import PROFILE
 

@@ -15,6 +15,7 @@ new segment), or other device work.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from commsim.ir import ops as O
@@ -209,7 +210,11 @@ class Metrics:
     step_time_samples_s: tuple[float, ...] = ()
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        """The fields, with a figure that does not exist (NaN: no tokens, no step) as null,
+        so that the output is strict JSON."""
+        def clean(v):
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+        return {k: clean(getattr(self, k)) for k in self.__dataclass_fields__}
 
 
 def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) -> Metrics:
@@ -245,7 +250,8 @@ def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) 
         alloc_retries=max((a.stats.num_alloc_retries for a in allocs), default=0),
         alloc_flushes=sum(len(r.flush_times_ns) for r in result.ranks.values()),
         cost_usd_per_step=cost_step,
-        cost_usd_per_million_tokens=cost_step / tokens_per_step * 1e6 if step_ns else float("nan"),
+        # a hand-made schedule may name no model: no tokens, so no cost per token
+        cost_usd_per_million_tokens=cost_step / tokens_per_step * 1e6 if step_ns and tokens_per_step else float("nan"),
         mode=result.mode,
         seed=result.seed,
         jitter=result.jitter,
