@@ -4,7 +4,9 @@
 front end reaches: ``dist.all_reduce``, DeepSpeed's coalesced collectives, FSDP2), so
 each call is logged with its kind, size in bytes (nccl-tests' convention: all-gather
 output, reduce-scatter input), dtype, group (global ranks), issue order, issue and
-completion time (monotonic ns; completion from the work's future), the training phase
+completion time (monotonic ns from the process's start of recording, which the trace's
+meta keeps as ``t0_monotonic_ns``: add it to put one node's ranks on one clock;
+completion from the work's future), the training phase
 (``bwd`` inside autograd's backward, ``fwd`` otherwise, ``step`` inside an optimizer
 step) and the step index (counted by a global optimizer-step hook).
 
@@ -186,7 +188,9 @@ def to_trace(rec: Recorder) -> Any:
         records.append(TraceRecord(rec.rank or 0, "collectives", c.seq, c.kind, label, c.start_ns - rec.t0,
                                    end - rec.t0, c.size_bytes, 0, c.step))
     meta = TraceMeta(TraceSource.RECORDED, producer="commsim record", hardware=os.uname().nodename,
-                     extra=(("pid", os.getpid()), ("backend", dist.get_backend() if dist.is_initialized() else "")))
+                     extra=(("pid", os.getpid()), ("backend", dist.get_backend() if dist.is_initialized() else ""),
+                            # perf_counter is the system-wide monotonic clock on Linux
+                            ("t0_monotonic_ns", rec.t0)))
     return make_trace(meta, records)
 
 

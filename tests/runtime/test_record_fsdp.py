@@ -38,6 +38,16 @@ def test_record_sees_fsdp2_collectives_exactly(tmp_path):
                           "runtime.examples.fsdp_train", "--model", "tiny", "--steps", "3"],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    # each rank's times start at its own t0, kept in the meta: with it, the same
+    # collective ends at the same moment on both ranks (one node, one clock)
+    ends = []
+    for rank in (0, 1):
+        d = json.loads((rec / f"rank{rank}.json").read_text())
+        col = {c: i for i, c in enumerate(d["columns"])}
+        t0 = d["meta"]["extra"]["t0_monotonic_ns"]
+        ends.append([t0 + r[col["end_ns"]] for r in d["rows"]])
+    gaps = sorted(abs(a - b) for a, b in zip(*ends))
+    assert len(ends[0]) == len(ends[1]) and gaps[len(gaps) // 2] < 50_000_000, gaps[len(gaps) // 2]
     for rank in (0, 1):
         d = json.loads((rec / f"rank{rank}.json").read_text())
         col = {c: i for i, c in enumerate(d["columns"])}
