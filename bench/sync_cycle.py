@@ -11,8 +11,8 @@ measurement (the executor hands each collective to an issuer thread per stream a
 host waits on an event), and the same loop written directly in torch (the collective
 called from the main thread, as a framework's Python does).
 
-Why: the 4-rank ZeRO-3 baseline row of validate_local.py is predicted 12-23% low in
-every grid run, and its ranks leave each synchronisation 8 ms apart where the simulated
+Why: the 4-rank ZeRO-3 baseline row of validate_local.py was predicted 12-23% low in
+four of five grid runs, and its ranks leave each synchronisation 8 ms apart where the simulated
 ones leave together. This isolates that pattern. On the development VM (2 cores), with
 run T's profiles, per cycle (median / mean):
 
