@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from commsim.ir import ops as O  # noqa: E402
 from commsim.ir.schedule import Program, Schedule  # noqa: E402
 from commsim.ir.serialize import save_schedule  # noqa: E402
+from validate_local import commsim  # noqa: E402  (bench/ is this script's folder)
 
 WORK_NS = 500_000
 
@@ -78,13 +79,6 @@ def schedule(ranks: int, cycles: int, nbytes: int) -> Schedule:
                 O.HostSync(O.OpId(i + 2), f"wait ag {k}", O.SyncScope.OPS, deps=(coll,))]
         i += 3
     return Schedule.uniform(ranks, Program((), tuple(ops)))
-
-
-def commsim(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "commsim.cli", *args], capture_output=True, text=True, cwd=ROOT)
-    if out.returncode != 0:
-        sys.exit(f"commsim {' '.join(args)} failed:\n{out.stderr[-2000:]}")
-    return out.stdout
 
 
 def summary(name: str, cycles_ms: list[float], what: str = "cycles") -> str:

@@ -130,11 +130,15 @@ EXECUTOR_WARMUP = 2
 DEEPSPEED_WARMUP = 3
 
 
+def median_step_s(trace: Path) -> float:
+    """The median measured step of an executor trace, in seconds."""
+    return statistics.median(json.loads(trace.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
+
+
 def measure_executor(row: Row, sched_path: Path, out: Path, steps: int) -> float:
     commsim("execute", str(sched_path), "--nproc-per-node", str(row.ranks), "--steps", str(steps),
             "--warmup", str(EXECUTOR_WARMUP), "-o", str(out))
-    meta = json.loads(out.read_text())["meta"]["extra"]
-    return statistics.median(meta["step_times_ns"]) / 1e9
+    return median_step_s(out)
 
 
 def measure_deepspeed(row: Row, cfg_path: Path, work: Path, steps: int) -> float:
@@ -283,7 +287,7 @@ def main() -> None:
         if row.runner in LINK_RATE:
             links[row.runner].run_ranks(["execute", str(sched_path), "--steps", str(steps),
                                          "--warmup", str(EXECUTOR_WARMUP), "-o", str(out)])
-            return statistics.median(json.loads(out.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
+            return median_step_s(out)
         return measure_executor(row, sched_path, out, steps)
 
     def calibrated(row: Row, i: int, name: str) -> Path:
@@ -327,7 +331,6 @@ def main() -> None:
                     profile = work / f"profile{i}.mean{tag}.json"
                     profile.write_text(json.dumps(mean, indent=1))
             preds.append(predict(replace(sc, hw_profile=str(profile))).metrics.step_time_s)
-            single_errs.append(abs(preds[-1] - meass[-1]) / meass[-1])
             if k == 0 and row.runner != "deepspeed" and args.traces:
                 dest = Path(args.traces)
                 dest.mkdir(parents=True, exist_ok=True)
@@ -338,7 +341,9 @@ def main() -> None:
         pred, meas = statistics.fmean(preds), statistics.fmean(meass)
         err = (pred - meas) / meas
         results.append((row, pred, meas, err))
-        each = ", ".join(f"{(p - m) / m:+.1%}" for p, m in zip(preds, meass))
+        run_errs = [(p - m) / m for p, m in zip(preds, meass)]
+        single_errs += [abs(e) for e in run_errs]
+        each = ", ".join(f"{e:+.1%}" for e in run_errs)
         print(f"{row.name:<28}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}"
               + (f"   ({each})" if args.repeats > 1 else ""), flush=True)
     errs = [abs(e) for *_, e in results]
