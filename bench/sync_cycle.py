@@ -7,9 +7,8 @@ The schedule: ``--cycles`` times (host work of 0.5 ms, an all-gather of ``--byte
 the host waiting for it), on every rank. It is what the ZeRO-3 baseline does 148 times
 a step (a device synchronise after each per-parameter collective), without the rest.
 Printed, per cycle: the simulator's prediction with the profile, ``commsim execute``'s
-measurement (the executor hands each collective to an issuer thread per stream and the
-host waits on an event), and the same loop written directly in torch (the collective
-called from the main thread, as a framework's Python does).
+measurement, and the same loop written directly in torch (the collective called from
+the main thread, as a framework's Python does).
 
 Why: the 4-rank ZeRO-3 baseline row of validate_local.py was predicted 12-23% low in
 four of five grid runs, and its ranks leave each synchronisation 8 ms apart where the simulated
@@ -17,13 +16,17 @@ ones leave together. This isolates that pattern. On the development VM (2 cores)
 run T's profiles, per cycle (median / mean):
 
     ranks  simulated  commsim execute  torch direct
-      2      1.35       1.71 / 2.50     1.30 / 1.56
+      2      1.35       1.71 / 2.50     1.30 / 1.56    (executor with issuer threads)
       4      5.80       6.41 / 6.93     4.45 / 5.04
+      2      1.35       1.22 / 2.14     1.05 / 1.61    (host-issued, 2026-11-30)
+      4      5.80       6.20 / 6.96     5.20 / 5.58
 
-The executor's issuer threads cost 0.4-2 ms a cycle over a direct call, and the
-simulator, which has no such hand-offs, predicts between the two. Over the baseline's
-148 collectives that is 90-170 ms (median to mean) of the row's 860 ms gap in run T:
-a part, not all.
+The executor used to hand every collective to an issuer thread and wait on that
+thread's event: two thread wake-ups a cycle that a framework does not pay. It now
+issues a collective from the host thread when its inputs are ready and waits on the
+backend's work itself, which took 0.2-0.5 ms off a cycle in the same session's
+before/after runs (2 ranks: 1.70 / 2.58 before; 4 ranks: 6.68 / 7.59 before). The
+cycle-to-cycle spread (p90 about twice the median with 4 ranks) is the OS time slice.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ def main() -> None:
         sys.exit(f"the direct torch loop failed:\n{out.stderr[-2000:]}")
     print(f"{args.ranks} ranks, {args.cycles} cycles of 0.5 ms host work + a {args.bytes}-byte all-gather + a wait")
     print(summary("simulated", per_cycle, "simulated step(s), each over its cycles"))
-    print(summary("commsim execute (issuer threads)", executor))
+    print(summary("commsim execute", executor))
     print(summary("torch, called from the main thread", json.loads(direct_out.read_text())))
 
 
