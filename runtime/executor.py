@@ -411,7 +411,6 @@ class _CpuRank:
         errors: list[BaseException] = []
         issuers: dict[str, list] = {}  # stream -> [its queue, condition]
         threads: list[threading.Thread] = []
-        colls: list[_Done] = []
         no_future = self.no_future
         finished: list[tuple] = []  # collectives done: (completion, stream, op, issue time)
 
@@ -449,6 +448,9 @@ class _CpuRank:
                 try:
                     work, check = ex.collective(op)
                     ev.work = work
+                except BaseException:
+                    ev.set()  # never issued: nobody may wait for it (the step's end waits for all)
+                    raise
                 finally:
                     issued[0] += 1
                     issue_cv.notify_all()
@@ -537,7 +539,6 @@ class _CpuRank:
                     prev = last_on.get(op.stream)
                     done[op.id] = ev
                     last_on[op.stream] = ev
-                    colls.append(ev)
                     if ((prev is None or prev.is_set()) and all(done[d].is_set() for d in op.deps)
                             and issued[0] == self.coll_index[op.id]):
                         # nothing to wait for: issue it from the host thread, as a
@@ -582,7 +583,7 @@ class _CpuRank:
                 enqueue(stream, None)
             for th in threads:
                 th.join()
-            for ev in colls:  # every collective done (its done-callback has run)
+            for ev in done.values():  # every collective done (its watcher has run)
                 ev.event.wait()
         for ev, stream, op, start in finished:
             assert ev.end_ns is not None
@@ -592,7 +593,7 @@ class _CpuRank:
         # of the step's events and threads now: left to the collector, they made its passes
         # longer and more frequent, and a pass runs inside whichever op allocates next
         # (measured: the 4-rank ZeRO-3 baseline's large allocations took 2.3x as long).
-        for held in (done, last_on, issuers, threads, colls, finished):
+        for held in (done, last_on, issuers, threads, finished):
             held.clear()
         if errors:
             raise errors[0]

@@ -88,7 +88,7 @@ def test_memory_bound_kernels_walk_a_ring_larger_than_the_cache():
 
 
 _STEP_GARBAGE = r"""
-import gc, sys, datetime
+import gc
 import torch.distributed as dist
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
@@ -127,3 +127,43 @@ def test_a_step_leaves_no_events_for_the_garbage_collector():
     records, held, names = out.stdout.strip().splitlines()[-1].split(" ", 2)
     assert int(records) == 2 * 20 * 4  # every op of both steps recorded (the collectives by their completion)
     assert int(held) == 0, names
+
+
+_ISSUE_FAILS = r"""
+import torch.distributed as dist
+from commsim.ir import ops as O
+from commsim.ir.schedule import Program, Schedule
+from runtime.executor import ExecutionError, RankExecutor, RankOptions
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+# op 2 is on a stream of its own with nothing to wait for: the host thread issues it
+ops = (O.Collective(O.OpId(1), "comm", "fine", O.CollectiveKind.ALL_GATHER, 64, O.DType.FP32, (0,)),
+       O.Collective(O.OpId(2), "other", "breaks", O.CollectiveKind.ALL_GATHER, 64, O.DType.FP32, (0,)),
+       O.HostSync(O.OpId(3), "s", O.SyncScope.OPS, deps=(O.OpId(2),)))
+ex = RankExecutor(Schedule.uniform(1, Program((), ops)), 0, "gloo", RankOptions(steps=1, warmup=0))
+real = ex.collective
+def collective(op):
+    if op.id == 2:
+        raise RuntimeError("backend refused")
+    return real(op)
+ex.collective = collective
+try:
+    ex.run()
+except ExecutionError as e:
+    print(e)
+"""
+
+
+def test_a_collective_that_cannot_be_issued_ends_the_step_with_its_name():
+    """A collective the host thread fails to issue is named in the error, and the step
+    does not wait for it to complete (it never will)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _ISSUE_FAILS], capture_output=True, text=True, cwd=root,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("rank 0: step 0: op 2 `") and '"breaks"' in last
+    assert last.endswith("RuntimeError: backend refused")
