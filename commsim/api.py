@@ -141,12 +141,12 @@ def _host_costs(sc: Scenario):
 
 def describe_model(model: str, micro_batch: int, seq: int, dtype_bytes: int = 2):
     """A preset, a Hugging Face config.json, or ``module:function`` returning an nn.Module
-    (walked on the meta device by runtime.model_walk; needs torch)."""
+    (walked on the meta device by commsim.models.torch_walk; needs torch)."""
     from pathlib import Path
 
     if ":" in model and not Path(model).exists():
         try:
-            from runtime.model_walk import describe_module
+            from commsim.models.torch_walk import describe_module
         except ImportError as e:
             raise CommsimInputError(f"--model {model!r}: reading a torch module needs torch "
                                     f"(pip install 'commsim[runtime]'): {e}") from None
@@ -186,7 +186,7 @@ def predict(sc: Scenario) -> Prediction:
     cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
     if sc.schedule:
         from commsim.ir.validate import check_valid
-        from commsim.cli import load_schedule_any
+        from commsim.ir.load import load_schedule_any
 
         schedule = load_schedule_any(sc.schedule)
         check_valid(schedule, sc.schedule)

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from commsim import __version__
 from commsim.ir.errors import CommsimInputError
+from commsim.ir.load import load_schedule_any
 
 EXIT_BAD_INPUT = 2
 
@@ -38,25 +39,6 @@ def _positive_int(text: str) -> int:
 
 
 # ---------------------------------------------------------------- validate / show
-
-
-def load_schedule_any(path: str):
-    """A schedule from its JSON form or its text form (by content)."""
-    from commsim.ir.serialize import load_schedule
-    from commsim.ir.text import HEADER, schedule_from_text
-    from commsim.ir.errors import ScheduleFormatError
-
-    p = Path(path)
-    try:
-        head = p.open().read(len(HEADER))
-    except OSError as e:
-        raise ScheduleFormatError(f"{p}: cannot read: {e.strerror}") from None
-    if head == HEADER:
-        try:
-            return schedule_from_text(p.read_text())
-        except ScheduleFormatError as e:
-            raise ScheduleFormatError(f"{p}: {e}") from None
-    return load_schedule(p)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -52,7 +52,7 @@ def _free_port() -> int:
 
 def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | None,
            progress=None, err_dir: str | None = None) -> None:
-    from commsim.cli import load_schedule_any
+    from commsim.ir.load import load_schedule_any
     from runtime.executor import RankExecutor, RankOptions
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -119,7 +119,7 @@ def _spawned(cfg: ExecConfig, rank: int, world: int, port: int, progress, err_di
 
 def launch_local(cfg: ExecConfig, nproc: int, wall_timeout_s: float | None = None) -> Trace:
     """Run ``nproc`` local ranks; on any failure stop them all and raise ExecutionFailed."""
-    from commsim.cli import load_schedule_any
+    from commsim.ir.load import load_schedule_any
 
     schedule = load_schedule_any(cfg.schedule_path)
     if schedule.world_size != nproc:

@@ -9,7 +9,7 @@ carry compute only.
 
 Descriptions come from the transformer catalogue (``commsim.models.transformer``),
 from a Hugging Face ``config.json`` (``commsim.models.hf``) or from a real
-``torch.nn.Module`` walked on the meta device (``runtime.model_walk``); all produce
+``torch.nn.Module`` walked on the meta device (``commsim.models.torch_walk``); all produce
 the same structure.
 """
 

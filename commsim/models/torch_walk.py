@@ -11,28 +11,29 @@ a self-attention module) is charged to the next child that starts inside it, or 
 to its last child, since kernels belong to leaves in the description. Backward kernels
 are derived from forward ones (a matmul's two gradient matmuls, elementwise ops twice
 the traffic), as the catalogue does.
+
+torch is imported only when a module is walked, so ``commsim`` itself imports without it.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Callable
-
-import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from typing import TYPE_CHECKING, Any, Callable
 
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.ops import ComputeKind, GemmShape
 from commsim.models.spec import Kernel, ModelDescription, ModuleKind, ModuleSpec, ParamSpec, Role
+
+if TYPE_CHECKING:  # torch is imported where a module is walked: commsim imports without it
+    from torch import nn
 
 _GEMM = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
 _VIEWS = re.compile(r"aten\.(view|_unsafe_view|t|transpose|permute|unsqueeze|squeeze|expand|detach|alias|"
                     r"reshape|as_strided|slice|select|split|_reshape_alias|lift_fresh|clone)\b")
 
 
-def load_factory(spec: str) -> Callable[[], nn.Module]:
+def load_factory(spec: str) -> Callable[[], "nn.Module"]:
     mod_name, sep, fn_name = spec.partition(":")
     if not sep or not mod_name or not fn_name:
         raise CommsimInputError(f"--model {spec!r}: expected module:function (a function returning the nn.Module)")
@@ -47,6 +48,8 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
 
 
 def _bytes(x: Any) -> int:
+    import torch
+
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     if isinstance(x, (list, tuple)):
@@ -62,28 +65,31 @@ def _gemm(name: str, args: tuple) -> GemmShape:
     return GemmShape(a.shape[1], b.shape[2], a.shape[2], a.shape[0])
 
 
-class _Capture(TorchDispatchMode):
-    def __init__(self, walker: "_Walker"):
-        super().__init__()
-        self.walker = walker
+def _capture(walker: "_Walker") -> Any:
+    """A dispatch mode that charges every aten op the model runs to the walker."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        out = func(*args, **(kwargs or {}))
-        name = str(func)
-        if name in _GEMM:
-            g = _gemm(name, args)
-            k = Kernel("fwd", ComputeKind.GEMM, g.flops, _bytes(args), _bytes(out), g)
-        elif _VIEWS.match(name):
+    class _Capture(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            out = func(*args, **(kwargs or {}))
+            name = str(func)
+            if name in _GEMM:
+                g = _gemm(name, args)
+                k = Kernel("fwd", ComputeKind.GEMM, g.flops, _bytes(args), _bytes(out), g)
+            elif _VIEWS.match(name):
+                return out
+            else:
+                n = out.numel() if isinstance(out, torch.Tensor) else 0
+                k = Kernel("fwd", ComputeKind.ELEMENTWISE, n, _bytes(args), _bytes(out))
+            walker.charge(k)
             return out
-        else:
-            n = out.numel() if isinstance(out, torch.Tensor) else 0
-            k = Kernel("fwd", ComputeKind.ELEMENTWISE, n, _bytes(args), _bytes(out))
-        self.walker.charge(k)
-        return out
+
+    return _Capture()
 
 
 class _Walker:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: "nn.Module"):
         self.model = model
         self.order: list[str] = []  # pre-forward order
         self.encloses: dict[str, int] = {}
@@ -134,7 +140,9 @@ def _backward(k: Kernel) -> tuple[Kernel, ...]:
     return (Kernel("bwd", k.kind, 2 * k.flops, k.bytes_read + k.bytes_written, k.bytes_read),)
 
 
-def _kind_role(m: nn.Module, name: str) -> tuple[ModuleKind, Role]:
+def _kind_role(m: "nn.Module", name: str) -> tuple[ModuleKind, Role]:
+    from torch import nn
+
     if isinstance(m, nn.Embedding):
         return ModuleKind.EMBEDDING, Role.EMBEDDING
     if isinstance(m, nn.Linear):
@@ -151,9 +159,12 @@ def _block(name: str) -> int | None:
     return None
 
 
-def describe_module(factory: str | Callable[[], nn.Module], micro_batch: int, seq_len: int, dtype_bytes: int = 2,
+def describe_module(factory: str | Callable[[], "nn.Module"], micro_batch: int, seq_len: int, dtype_bytes: int = 2,
                     vocab_hint: int | None = None, name: str | None = None) -> ModelDescription:
     """Walk the module a factory returns; inputs are (micro_batch, seq_len) token ids."""
+    import torch
+    from torch import nn
+
     fn = load_factory(factory) if isinstance(factory, str) else factory
     with torch.device("meta"):
         model = fn()
@@ -166,7 +177,7 @@ def describe_module(factory: str | Callable[[], nn.Module], micro_batch: int, se
         handles.append(mod.register_forward_hook(lambda _m, _a, _o, n=mod_name: walker.post(n)))
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     try:
-        with torch.no_grad(), _Capture(walker):
+        with torch.no_grad(), _capture(walker):
             model(ids)
     finally:
         for h in handles:

@@ -7,7 +7,7 @@ import pytest
 
 from commsim.ir.errors import CommsimInputError
 from commsim.models import MODEL_PRESETS, describe
-from runtime.model_walk import describe_module
+from commsim.models.torch_walk import describe_module
 
 
 def test_walked_tiny_roberta_is_the_catalogue_tree():
