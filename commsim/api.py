@@ -75,7 +75,7 @@ def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
     for rr in result.ranks.values():
         for r in rr.records:
             recs.append(TraceRecord(r.rank, r.stream, int(r.op.id), op_kind_name(r.op), r.op.label, r.start_ns,
-                                    r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0))
+                                    r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0, r.op.phase.value))
     meta = TraceMeta(TraceSource.PREDICTED, producer="commsim.sim", schedule_hash=schedule.content_hash(),
                      hardware=hardware, seed=result.seed, extra=(("mode", result.mode), ("jitter", result.jitter)))
     return make_trace(meta, recs)
@@ -159,16 +159,17 @@ def _info_from_schedule(schedule: Schedule, nodes: int, price: float) -> StepInf
     else from its ops (hardware flops = all compute flops; model flops without recompute)."""
     from commsim.ir import ops as O
 
-    meta = dict(schedule.meta.knobs)
-    try:
-        md = describe(resolve_model(schedule.meta.model), int(meta["micro_batch"]), int(meta["seq_len"]))
-        return step_info(md, schedule.world_size, nodes, int(meta.get("grad_accum", 1)),
-                         bool(meta.get("checkpointing", False)), price)
-    except (CommsimInputError, KeyError, ValueError):
-        prog = schedule.program_of(0)
-        hw = sum(op.flops for op in prog.step if isinstance(op, O.Compute))
-        model = sum(op.flops for op in prog.step if isinstance(op, O.Compute) and ".recompute" not in op.label)
-        return StepInfo(schedule.world_size, nodes, 0, float(model), float(hw), price, "ops")
+    meta = schedule.meta
+    if meta.micro_batch is not None and meta.seq_len is not None:
+        try:
+            md = describe(resolve_model(meta.model), meta.micro_batch, meta.seq_len)
+            return step_info(md, schedule.world_size, nodes, meta.grad_accum, meta.checkpointing, price)
+        except (CommsimInputError, ValueError):
+            pass  # a model this commsim does not know: count the ops
+    prog = schedule.program_of(0)
+    hw = sum(op.flops for op in prog.step if isinstance(op, O.Compute))
+    model = sum(op.flops for op in prog.step if isinstance(op, O.Compute) and op.phase is not O.Phase.RECOMPUTE)
+    return StepInfo(schedule.world_size, nodes, 0, float(model), float(hw), price, "ops")
 
 
 def cost_model(sc: Scenario, precision: str) -> tuple[CostModel, str]:
@@ -194,7 +195,7 @@ def predict(sc: Scenario) -> Prediction:
             raise CommsimInputError(f"--schedule {sc.schedule}: has {schedule.world_size} ranks but the cluster "
                                     f"has {cluster.world_size} GPUs ({sc.nodes} nodes x {cluster.node.gpus_per_node});"
                                     " set --nodes / --gpus-per-node to match")
-        precision = str(dict(schedule.meta.knobs).get("precision", "bf16"))
+        precision = schedule.meta.precision or "bf16"
         info = _info_from_schedule(schedule, sc.nodes, cluster.node.price_usd_per_hour)
         what = f"{sc.schedule} ({schedule.meta.description or schedule.meta.model})"
     else:

@@ -381,7 +381,7 @@ def _gemm_shapes(paths: list[str]) -> tuple[tuple[str, int, int, int, int], ...]
     out: dict[tuple, None] = {}
     for path in paths:
         schedule = load_schedule_any(path)
-        dtype = str(schedule.meta.knob("precision") or "fp32")
+        dtype = schedule.meta.precision or "fp32"
         if dtype not in ("fp32", "bf16", "fp16"):
             raise CommsimInputError(f"--schedule {path}: precision {dtype!r} in its meta; allowed: fp32, bf16, fp16")
         for program in schedule.programs:

@@ -44,8 +44,8 @@ def _measure(nproc: int, cfg: Path, steps: int = 6) -> float:
 
 def _hooks(schedule) -> tuple[int, int]:
     step = schedule.program_of(0).step
-    module = sum(1 for op in step if isinstance(op, O.HostWork) and op.label.startswith("hook "))
-    grad = sum(1 for op in step if isinstance(op, O.HostWork) and op.label.startswith(("grad hook ", "reduce ")))
+    module = sum(1 for op in step if isinstance(op, O.HostWork) and op.kind is O.HostKind.MODULE_HOOK)
+    grad = sum(1 for op in step if isinstance(op, O.HostWork) and op.kind is O.HostKind.GRAD_HOOK)
     return module, grad
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,7 @@ class RankExecutor:
         self.gpu = backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
         # kernels in the schedule's precision (what the real model would run in)
-        precision = str(dict(schedule.meta.knobs).get("precision", "bf16" if self.gpu else "fp32"))
+        precision = schedule.meta.precision or ("bf16" if self.gpu else "fp32")
         dtype = options.compute_dtype or {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
         self.kernels = _Kernels(self.device, dtype)
         self.groups = _Groups(schedule, self.world)
@@ -322,8 +322,7 @@ class RankExecutor:
             t0, recs = impl.run_step()
             if measured:
                 s = step - self.opts.warmup
-                out.records.extend(TraceRecord(r.rank, r.stream, r.op_id, r.kind, r.label, r.start_ns - t0,
-                                               r.end_ns - t0, r.size_bytes, r.flops, s) for r in recs)
+                out.records.extend(replace(r, start_ns=r.start_ns - t0, end_ns=r.end_ns - t0, step=s) for r in recs)
                 out.step_times_ns.append(max((r.end_ns for r in recs), default=t0) - t0)
         if self.gpu:
             out.memory_stats = {k: int(v) for k, v in torch.cuda.memory_stats(self.device).items()
@@ -380,7 +379,7 @@ class _Done:
 
 def _record(ex: RankExecutor, stream: str, op: O.Op, start: int, end: int) -> TraceRecord:
     return TraceRecord(ex.rank, stream, int(op.id), O.op_kind_name(op), op.label, start, end, O.op_size_bytes(op),
-                       O.op_flops(op))
+                       O.op_flops(op), 0, op.phase.value)
 
 
 class _CpuRank:

@@ -80,7 +80,7 @@ class Recorder:
 
     def phase(self) -> str:
         if self.in_optimizer:
-            return "step"
+            return "optimizer"
         return "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
 
 
@@ -186,7 +186,7 @@ def to_trace(rec: Recorder) -> Any:
         end = c.end_ns if c.end_ns >= 0 else c.start_ns
         label = f"{c.phase}:{c.method}:{c.dtype}:{','.join(map(str, c.group))}"
         records.append(TraceRecord(rec.rank or 0, "collectives", c.seq, c.kind, label, c.start_ns - rec.t0,
-                                   end - rec.t0, c.size_bytes, 0, c.step))
+                                   end - rec.t0, c.size_bytes, 0, c.step, c.phase))
     meta = TraceMeta(TraceSource.RECORDED, producer="commsim record", hardware=os.uname().nodename,
                      extra=(("pid", os.getpid()), ("backend", dist.get_backend() if dist.is_initialized() else ""),
                             # perf_counter is the system-wide monotonic clock on Linux

@@ -12,7 +12,7 @@ from pathlib import Path
 from commsim.ir.errors import ScheduleFormatError
 from commsim.ir.schedule import Schedule
 from commsim.ir.serialize import load_schedule
-from commsim.ir.text import HEADER, schedule_from_text
+from commsim.ir.text import HEADER_PREFIX, schedule_from_text
 
 
 def load_schedule_any(path: str | Path) -> Schedule:
@@ -20,12 +20,12 @@ def load_schedule_any(path: str | Path) -> Schedule:
     p = Path(path)
     try:
         with p.open() as f:
-            head = f.read(len(HEADER))
+            head = f.read(len(HEADER_PREFIX))
     except OSError as e:
         raise ScheduleFormatError(f"{p}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ScheduleFormatError(f"{p}: not a schedule (not text)") from None
-    if head == HEADER:
+    if head == HEADER_PREFIX:
         try:
             return schedule_from_text(p.read_text())
         except ScheduleFormatError as e:

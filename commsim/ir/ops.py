@@ -101,10 +101,27 @@ class CopyDirection(enum.Enum):
 class HostKind(enum.Enum):
     """Why the host spends the time: lets the simulator attribute host-bound stalls."""
 
-    PYTHON = "python"  # framework bookkeeping (hooks, fetch decisions)
+    PYTHON = "python"  # framework bookkeeping (fetch decisions, ...)
+    MODULE_HOOK = "module_hook"  # a framework's per-module hook (ZeRO-3's pre/post forward and backward)
+    GRAD_HOOK = "grad_hook"  # a framework's per-parameter gradient hook or reduce bookkeeping
     LAUNCH = "launch"  # kernel / collective launch overhead
     OPTIMIZER = "optimizer"  # CPU optimizer step (offload)
     DEBUG = "debug"  # logging / debug-string formatting
+
+
+class Phase(enum.Enum):
+    """The part of a training step an op belongs to: summaries, comparisons and
+    calibration group ops by it (generators set it; hand-made ops default to OTHER)."""
+
+    SETUP = "setup"  # persistent state allocated once, before the first step
+    FORWARD = "fwd"
+    RECOMPUTE = "recompute"  # activation checkpointing: a layer's forward again in backward
+    BACKWARD = "bwd"  # backward, gradient reduction included
+    OPTIMIZER = "optimizer"  # gradient norm, overflow check, the optimizer step, re-gathers after it
+    OTHER = "other"
+
+
+PHASES = tuple(Phase)
 
 
 class SyncScope(enum.Enum):
@@ -146,6 +163,7 @@ class Compute:
     gemm: GemmShape | None = None
     deps: tuple[OpId, ...] = ()
     buffers: tuple[BufferName, ...] = ()
+    phase: Phase = Phase.OTHER
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +186,7 @@ class Collective:
     root: int | None = None  # broadcast only: a global rank in the group
     deps: tuple[OpId, ...] = ()
     buffers: tuple[BufferName, ...] = ()
+    phase: Phase = Phase.OTHER
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +200,7 @@ class Copy:
     size_bytes: int
     deps: tuple[OpId, ...] = ()
     buffers: tuple[BufferName, ...] = ()
+    phase: Phase = Phase.OTHER
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +219,7 @@ class Alloc:
     buffer: BufferName
     size_bytes: int
     touch_bytes: int | None = None
+    phase: Phase = Phase.OTHER
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +230,7 @@ class Free:
     stream: StreamName
     label: str
     buffer: BufferName
+    phase: Phase = Phase.OTHER
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +241,7 @@ class HostWork:
     label: str
     kind: HostKind
     duration_ns: int
+    phase: Phase = Phase.OTHER
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +253,7 @@ class HostSync:
     scope: SyncScope
     stream: StreamName | None = None  # scope STREAM only
     deps: tuple[OpId, ...] = ()  # scope OPS only
+    phase: Phase = Phase.OTHER
 
 
 DeviceOp = Union[Compute, Collective, Copy]

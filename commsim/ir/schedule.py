@@ -17,23 +17,54 @@ from typing import Iterator
 
 from commsim.ir.ops import Alloc, Op, OpId
 
-SCHEMA_VERSION = 1
+# 2: ops carry a typed phase; the meta has fields for what is not a knob
+SCHEMA_VERSION = 2
 
 KnobValue = bool | int | float | str
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduleMeta:
-    """What produced a schedule: model, strategy, knob settings, generator version."""
+    """What produced a schedule, and the facts of the run it describes.
+
+    ``knobs`` holds only the strategy's knobs (the switches a user flips, e.g. the 2022
+    ZeRO-3 optimisations); ``config`` the framework settings that shaped the schedule,
+    under the framework's own key names (DeepSpeed's bucket sizes, say). Everything
+    else that consumers need (the world's shape, batch, precision, checkpointing,
+    whether distinct programs are the same up to their groups) is a field of its own.
+    """
 
     model: str = ""
     strategy: str = ""
-    knobs: tuple[tuple[str, KnobValue], ...] = ()
     generator: str = ""
     description: str = ""
+    preset: str = ""  # the knob preset the knobs started from ("" for none)
+    knobs: tuple[tuple[str, KnobValue], ...] = ()
+    config: tuple[tuple[str, KnobValue], ...] = ()
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    micro_batch: int | None = None  # sequences per rank per micro-step
+    seq_len: int | None = None
+    grad_accum: int = 1  # micro-steps per step
+    precision: str | None = None  # one of PRECISIONS; None: not stated
+    checkpointing: bool = False  # layer-wise activation checkpointing
+    checkpoint_style: str | None = None  # "reentrant" / "non_reentrant" when checkpointing
+    # Several programs that are one program over each rank's own process groups (hpZ,
+    # MiCS): the simulator may still simulate one rank for all of them.
+    rank_symmetric: bool = False
 
     def knob(self, name: str) -> KnobValue | None:
         for key, value in self.knobs:
+            if key == name:
+                return value
+        return None
+
+    def setting(self, name: str) -> KnobValue | None:
+        """A framework setting from ``config`` (None when absent)."""
+        for key, value in self.config:
             if key == name:
                 return value
         return None

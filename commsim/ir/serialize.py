@@ -18,7 +18,7 @@ from typing import Any
 
 from commsim.ir import ops as O
 from commsim.ir.errors import ScheduleFormatError
-from commsim.ir.schedule import SCHEMA_VERSION, Program, Schedule, ScheduleMeta
+from commsim.ir.schedule import PRECISIONS, SCHEMA_VERSION, Program, Schedule, ScheduleMeta
 
 OP_TAGS: dict[type, str] = {
     O.Compute: "compute",
@@ -60,17 +60,51 @@ def op_to_dict(op: O.Op) -> dict[str, Any]:
     return out
 
 
+_META_PAIRS = ("knobs", "config")
+
+
+def meta_to_dict(meta: ScheduleMeta) -> dict[str, Any]:
+    """The meta as JSON: every field, the knob and config pairs as objects."""
+    out: dict[str, Any] = {}
+    for f in fields(ScheduleMeta):
+        value = getattr(meta, f.name)
+        out[f.name] = dict(value) if f.name in _META_PAIRS else value
+    return out
+
+
+def meta_from_dict(obj: Any, where: str) -> ScheduleMeta:
+    """A meta object back, each field checked for its type (missing fields default)."""
+    if not isinstance(obj, dict):
+        raise _fail(where, "expected an object")
+    names = {f.name for f in fields(ScheduleMeta)}
+    unknown = set(obj) - names
+    if unknown:
+        raise _fail(where, f"unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(names))}")
+    kwargs: dict[str, Any] = {}
+    hints = _hints(ScheduleMeta)
+    for f in fields(ScheduleMeta):
+        if f.name not in obj:
+            continue
+        value, w = obj[f.name], f"{where}.{f.name}"
+        if f.name in _META_PAIRS:
+            if not isinstance(value, dict):
+                raise _fail(w, "expected an object of name: value")
+            for k, v in value.items():
+                if not isinstance(v, (bool, int, float, str)):
+                    raise _fail(f"{w}.{k}", f"values are numbers, booleans or strings, got {v!r}")
+            kwargs[f.name] = tuple(value.items())
+            continue
+        kwargs[f.name] = _decode_value(hints[f.name], value, w)
+    if kwargs.get("precision") not in (None,) + PRECISIONS:
+        raise _fail(f"{where}.precision", f"{kwargs['precision']!r}; allowed: {', '.join(PRECISIONS)} or null")
+    return ScheduleMeta(**kwargs)
+
+
 def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
     return {
         "schema_version": schedule.version,
         "world_size": schedule.world_size,
-        "meta": {
-            "model": schedule.meta.model,
-            "strategy": schedule.meta.strategy,
-            "knobs": {k: v for k, v in schedule.meta.knobs},
-            "generator": schedule.meta.generator,
-            "description": schedule.meta.description,
-        },
+        "meta": meta_to_dict(schedule.meta),
         "rank_program": list(schedule.rank_program),
         "programs": [
             {
@@ -190,20 +224,7 @@ def schedule_from_dict(obj: Any) -> Schedule:
             " (regenerate the schedule with this commsim)",
         )
     world = _expect(obj, "world_size", int, "$")
-    meta_obj = _expect(obj, "meta", dict, "$")
-    knobs_obj = meta_obj.get("knobs", {})
-    if not isinstance(knobs_obj, dict):
-        raise _fail("$.meta.knobs", "expected an object of name: value")
-    for k, v in knobs_obj.items():
-        if not isinstance(v, (bool, int, float, str)):
-            raise _fail(f"$.meta.knobs.{k}", f"knob values are numbers, booleans or strings, got {v!r}")
-    meta = ScheduleMeta(
-        model=str(meta_obj.get("model", "")),
-        strategy=str(meta_obj.get("strategy", "")),
-        knobs=tuple(knobs_obj.items()),
-        generator=str(meta_obj.get("generator", "")),
-        description=str(meta_obj.get("description", "")),
-    )
+    meta = meta_from_dict(_expect(obj, "meta", dict, "$"), "$.meta")
     rank_program = _expect(obj, "rank_program", list, "$")
     programs_obj = _expect(obj, "programs", list, "$")
     programs = []

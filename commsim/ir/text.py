@@ -26,9 +26,10 @@ from typing import Any
 from commsim.ir import ops as O
 from commsim.ir.errors import ScheduleFormatError
 from commsim.ir.schedule import SCHEMA_VERSION, Program, Schedule, ScheduleMeta
-from commsim.ir.serialize import OP_TAGS, TAG_OPS, _hints
+from commsim.ir.serialize import OP_TAGS, TAG_OPS, _hints, meta_from_dict, meta_to_dict
 
-HEADER = f"# commsim schedule text v{SCHEMA_VERSION}"
+HEADER_PREFIX = "# commsim schedule text v"
+HEADER = f"{HEADER_PREFIX}{SCHEMA_VERSION}"
 
 
 def _fmt(value: Any) -> str:
@@ -83,13 +84,7 @@ def op_to_text(op: O.Op) -> str:
 
 
 def schedule_to_text(schedule: Schedule) -> str:
-    meta = {
-        "model": schedule.meta.model,
-        "strategy": schedule.meta.strategy,
-        "knobs": {k: v for k, v in schedule.meta.knobs},
-        "generator": schedule.meta.generator,
-        "description": schedule.meta.description,
-    }
+    meta = meta_to_dict(schedule.meta)
     lines = [
         HEADER,
         f"world_size {schedule.world_size}",
@@ -173,6 +168,10 @@ def op_from_text(line: str, where: str = "op") -> O.Op:
 def schedule_from_text(text: str) -> Schedule:
     lines = text.splitlines()
     if not lines or lines[0].strip() != HEADER:
+        first = lines[0].strip() if lines else ""
+        if first.startswith(HEADER_PREFIX):
+            raise ScheduleFormatError(f"line 1: unsupported schema version {first[len(HEADER_PREFIX):]!r}; this "
+                                      f"commsim reads version {SCHEMA_VERSION} (regenerate the schedule with it)")
         raise ScheduleFormatError(f"line 1: expected {HEADER!r}")
     world = None
     meta = ScheduleMeta()
@@ -199,14 +198,11 @@ def schedule_from_text(text: str) -> Schedule:
         if word == "world_size":
             world = _parse_value(int, rest, where)
         elif word == "meta":
-            m = json.loads(rest)
-            meta = ScheduleMeta(
-                model=m["model"],
-                strategy=m["strategy"],
-                knobs=tuple(m["knobs"].items()),
-                generator=m["generator"],
-                description=m["description"],
-            )
+            try:
+                m = json.loads(rest)
+            except json.JSONDecodeError as e:
+                raise ScheduleFormatError(f"{where}: meta is not a JSON object: {e.msg}") from None
+            meta = meta_from_dict(m, f"{where}: meta")
         elif word == "rank_program":
             rank_program = _parse_value(tuple[int, ...], rest, where)
         elif word == "program":

@@ -1,8 +1,9 @@
 """The trace schema shared by predictions, measurements and recorded real runs.
 
 One ``TraceRecord`` per executed op: rank, stream (``host`` for host ops), op id,
-kind, label, start and end in nanoseconds, bytes and flops, and the step it belongs
-to. ``TraceMeta`` says what produced the trace (simulator, executor, recorder), for
+kind, label, start and end in nanoseconds, bytes and flops, the step it belongs to,
+and its training phase (an ``ops.Phase`` value: the schedule op's, or, in a recording
+of a real run, what the recorder saw: forward, backward or the optimizer step). ``TraceMeta`` says what produced the trace (simulator, executor, recorder), for
 which schedule (its content hash), on which hardware or profile, with which seed.
 
 On disk: JSON, columnar (a list of column names, then one list per record) to stay
@@ -24,7 +25,8 @@ from commsim.util.files import atomic_write_text, read_json
 if TYPE_CHECKING:  # pandas is imported lazily: the IR must stay cheap to import
     import pandas as pd
 
-TRACE_SCHEMA_VERSION = 1
+# 2: the phase column
+TRACE_SCHEMA_VERSION = 2
 HOST_STREAM = "host"
 
 
@@ -46,6 +48,7 @@ class TraceRecord:
     size_bytes: int = 0
     flops: int = 0
     step: int = 0
+    phase: str = "other"
 
     @property
     def duration_ns(self) -> int:
@@ -190,7 +193,8 @@ class Trace:
                 "tid": tids[key],
                 "ts": r.start_ns / 1000.0,
                 "dur": (r.end_ns - r.start_ns) / 1000.0,
-                "args": {"op_id": r.op_id, "bytes": r.size_bytes, "flops": r.flops, "step": r.step},
+                "args": {"op_id": r.op_id, "bytes": r.size_bytes, "flops": r.flops, "step": r.step,
+                         "phase": r.phase},
             })
         return {
             "traceEvents": events,

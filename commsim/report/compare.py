@@ -13,7 +13,6 @@ import statistics
 from dataclasses import dataclass
 
 from commsim.ir.trace import HOST_STREAM, Trace, TraceRecord
-from commsim.strategies.summary import op_phase
 
 COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
 COMPUTE = {"gemm", "attention", "elementwise", "optimizer", "embedding"}
@@ -61,8 +60,7 @@ def step_view(records: list[TraceRecord]) -> StepView:
     phases: dict[str, int] = {}
     for r in dev:
         streams.setdefault(r.stream, []).append((r.start_ns, r.end_ns))
-        ph = op_phase(r.label)
-        phases[ph] = phases.get(ph, 0) + r.end_ns - r.start_ns
+        phases[r.phase] = phases.get(r.phase, 0) + r.end_ns - r.start_ns
     comm = [(r.start_ns, r.end_ns) for r in dev if r.kind in COLLECTIVES]
     comp = [(r.start_ns, r.end_ns) for r in dev if r.kind in COMPUTE and r.stream == "compute"]
     return StepView(step, {s: _length(iv) for s, iv in streams.items()}, phases, _length(comm), _exposed(comm, comp))

@@ -678,7 +678,7 @@ class Simulator:
         mode = config.mode
         # Rank-symmetric: all ranks run one program, or (hierarchical partitioning) the
         # same program over their own groups, as the generator declares.
-        symmetric_ok = len(schedule.programs) == 1 or schedule.meta.knob("rank_symmetric") is True
+        symmetric_ok = len(schedule.programs) == 1 or schedule.meta.rank_symmetric
         oversubscribed = _oversubscribed(cost)
         noise_sd, noise_corr_ns = rank_noise(cost, config)
         if mode == "auto":

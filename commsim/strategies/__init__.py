@@ -47,25 +47,34 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
     else:  # the ZeRO-3 knobs have nothing to act on in stages 0-2
         program = Zero12Lowering(md, world.size, ds, costs or HostCosts(), checkpointing, grad_accum,
                                  checkpoint_style).program()
+    z = ds.zero
     meta = ScheduleMeta(
         model=md.name,
         strategy=f"zero{stage}",
-        knobs=(("preset", preset),) + knobs.as_pairs() + (
-            ("nodes", world.nodes), ("gpus_per_node", world.gpus_per_node), ("micro_batch", md.micro_batch),
-            ("seq_len", md.seq_len), ("precision", ds.precision), ("checkpointing", checkpointing), ("checkpoint_style", checkpoint_style),
-            ("grad_accum", grad_accum), ("overlap_comm", ds.zero.overlap_comm),
-            ("reduce_bucket_size", ds.zero.reduce_bucket_size),
-            ("prefetch_bucket_size", ds.zero.prefetch_bucket_size),
-            ("max_live_parameters", ds.zero.max_live_parameters),
-            ("max_reuse_distance", ds.zero.max_reuse_distance),
-            ("param_persistence_threshold", ds.zero.param_persistence_threshold),
-            ("optimizer", ds.optimizer_impl),
-            ("offload_optimizer", ds.zero.offload_optimizer.device),
-            ("zero_hpz_partition_size", ds.zero.zero_hpz_partition_size),
-            ("mics_shard_size", ds.zero.mics_shard_size),
-        ),
         generator=GENERATOR_VERSION,
         description=f"DeepSpeed ZeRO-{stage} step of {md.name} on {world.nodes}x{world.gpus_per_node} GPUs",
+        preset=preset,
+        knobs=knobs.as_pairs(),
+        # the DeepSpeed settings that shaped the schedule, under DeepSpeed's key names
+        # (zero_optimization's; "optimizer" is the implementation that runs)
+        config=(
+            ("overlap_comm", z.overlap_comm), ("reduce_bucket_size", z.reduce_bucket_size),
+            ("stage3_prefetch_bucket_size", z.prefetch_bucket_size),
+            ("stage3_max_live_parameters", z.max_live_parameters),
+            ("stage3_max_reuse_distance", z.max_reuse_distance),
+            ("stage3_param_persistence_threshold", z.param_persistence_threshold),
+            ("offload_optimizer.device", z.offload_optimizer.device),
+            ("zero_hpz_partition_size", z.zero_hpz_partition_size), ("mics_shard_size", z.mics_shard_size),
+            ("optimizer", ds.optimizer_impl),
+        ),
+        nodes=world.nodes,
+        gpus_per_node=world.gpus_per_node,
+        micro_batch=md.micro_batch,
+        seq_len=md.seq_len,
+        grad_accum=grad_accum,
+        precision=ds.precision,
+        checkpointing=checkpointing,
+        checkpoint_style=checkpoint_style if checkpointing else None,
     )
     if lowering is not None:
         return per_rank_schedule(world.size, program, lowering.groups_of, meta)

@@ -1,4 +1,10 @@
-"""ProgramBuilder: appends IR ops for one rank with fresh ids and stream bookkeeping."""
+"""ProgramBuilder: appends IR ops for one rank with fresh ids and stream bookkeeping.
+
+Every op it makes carries the builder's current ``phase``: a generator sets
+``builder.phase`` as it moves from forward to backward to the optimizer step, and the
+ops it emits in between (host work, allocations, syncs included) belong to that phase.
+Setup allocations are always ``Phase.SETUP``.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ class ProgramBuilder:
         self.setup: list[O.Alloc] = []
         self.step: list[O.Op] = []
         self.last_on_stream: dict[str, O.OpId] = {}
+        self.phase = O.Phase.OTHER
 
     def _id(self) -> O.OpId:
         self._next += 1
@@ -28,15 +35,15 @@ class ProgramBuilder:
         return (last,) if last is not None else ()
 
     def setup_alloc(self, buffer: str, size_bytes: int, label: str, stream: str = "compute") -> None:
-        self.setup.append(O.Alloc(self._id(), stream, label, buffer, size_bytes))
+        self.setup.append(O.Alloc(self._id(), stream, label, buffer, size_bytes, phase=O.Phase.SETUP))
 
     def alloc(self, buffer: str, size_bytes: int, stream: str, label: str, touch_bytes: int | None = None) -> O.OpId:
-        op = O.Alloc(self._id(), stream, label, buffer, size_bytes, touch_bytes)
+        op = O.Alloc(self._id(), stream, label, buffer, size_bytes, touch_bytes, phase=self.phase)
         self.step.append(op)
         return op.id
 
     def free(self, buffer: str, stream: str, label: str) -> O.OpId:
-        op = O.Free(self._id(), stream, label, buffer)
+        op = O.Free(self._id(), stream, label, buffer, phase=self.phase)
         self.step.append(op)
         return op.id
 
@@ -44,17 +51,17 @@ class ProgramBuilder:
                 bytes_written: int, gemm: O.GemmShape | None = None, deps: tuple[O.OpId, ...] = (),
                 buffers: tuple[str, ...] = ()) -> O.OpId:
         return self._device(O.Compute(self._id(), stream, label, kind, flops, bytes_read, bytes_written, gemm,
-                                      _dedup(deps), buffers))
+                                      _dedup(deps), buffers, phase=self.phase))
 
     def collective(self, stream: str, label: str, kind: O.CollectiveKind, size_bytes: int, dtype: O.DType,
                    group: tuple[int, ...], reduce_op: O.ReduceOp | None = None, root: int | None = None,
                    deps: tuple[O.OpId, ...] = (), buffers: tuple[str, ...] = ()) -> O.OpId:
         return self._device(O.Collective(self._id(), stream, label, kind, size_bytes, dtype, group, reduce_op, root,
-                                         _dedup(deps), buffers))
+                                         _dedup(deps), buffers, phase=self.phase))
 
     def copy(self, stream: str, label: str, direction: O.CopyDirection, size_bytes: int,
              deps: tuple[O.OpId, ...] = (), buffers: tuple[str, ...] = ()) -> O.OpId:
-        return self._device(O.Copy(self._id(), stream, label, direction, size_bytes, _dedup(deps), buffers))
+        return self._device(O.Copy(self._id(), stream, label, direction, size_bytes, _dedup(deps), buffers, phase=self.phase))
 
     def reduce_to_host(self, label: str, size_bytes: int, dtype: O.DType, group: tuple[int, ...],
                        reduce_op: O.ReduceOp, launch_ns: int, why: str, deps: tuple[O.OpId, ...] = ()) -> None:
@@ -69,19 +76,19 @@ class ProgramBuilder:
     def host(self, label: str, kind: O.HostKind, duration_ns: int) -> O.OpId | None:
         if duration_ns <= 0:
             return None
-        op = O.HostWork(self._id(), label, kind, duration_ns)
+        op = O.HostWork(self._id(), label, kind, duration_ns, phase=self.phase)
         self.step.append(op)
         return op.id
 
     def sync_ops(self, deps: tuple[O.OpId, ...], label: str) -> None:
         if deps:
-            self.step.append(O.HostSync(self._id(), label, O.SyncScope.OPS, deps=_dedup(deps)))
+            self.step.append(O.HostSync(self._id(), label, O.SyncScope.OPS, deps=_dedup(deps), phase=self.phase))
 
     def sync_stream(self, stream: str, label: str) -> None:
-        self.step.append(O.HostSync(self._id(), label, O.SyncScope.STREAM, stream=stream))
+        self.step.append(O.HostSync(self._id(), label, O.SyncScope.STREAM, stream=stream, phase=self.phase))
 
     def sync_device(self, label: str) -> None:
-        self.step.append(O.HostSync(self._id(), label, O.SyncScope.DEVICE))
+        self.step.append(O.HostSync(self._id(), label, O.SyncScope.DEVICE, phase=self.phase))
 
     def program(self) -> Program:
         return Program(setup=tuple(self.setup), step=tuple(self.step))

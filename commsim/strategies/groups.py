@@ -123,5 +123,5 @@ def per_rank_schedule(world_size: int, program: Program, groups_of: Callable[[in
             programs.append(relabel(program, mapping))
         rank_program.append(index[key])
     if len(programs) > 1:
-        meta = replace(meta, knobs=meta.knobs + (("rank_symmetric", True),))
+        meta = replace(meta, rank_symmetric=True)
     return Schedule(world_size, tuple(programs), tuple(rank_program), meta)

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 from commsim.ir import ops as O
 from commsim.ir.schedule import Schedule
 
-PHASES = ("fwd", "recompute", "bwd", "optimizer")
-_SPLIT = re.compile(r"[.:\[\]]")
-
-
-def op_phase(label: str) -> str:
-    """The training phase a label names (generators put fwd/recompute/bwd/optimizer in it)."""
-    for token in _SPLIT.split(label):
-        if token in PHASES:
-            return token
-    return "other"
+PHASES = tuple(p.value for p in O.Phase if p is not O.Phase.SETUP)
 
 
 def summarize(schedule: Schedule, rank: int = 0) -> dict[str, dict[str, dict[str, int]]]:
@@ -25,7 +15,7 @@ def summarize(schedule: Schedule, rank: int = 0) -> dict[str, dict[str, dict[str
     out: dict[str, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
     for op in schedule.program_of(rank).step:
         stream = getattr(op, "stream", None) if O.is_device_op(op) else "host"
-        row = out[op_phase(op.label)][stream or "host"]
+        row = out[op.phase.value][stream or "host"]
         row["ops"] += 1
         if isinstance(op, O.Collective):
             row["collectives"] += 1
@@ -39,7 +29,7 @@ def format_summary(schedule: Schedule, rank: int = 0) -> str:
     data = summarize(schedule, rank)
     lines = [f"{schedule.meta.description}", f"rank {rank}: {len(schedule.program_of(rank).step)} step ops",
              f"{'phase':<10}{'stream':<11}{'ops':>7}{'collectives':>13}{'coll. GB':>10}{'TFLOP':>10}"]
-    for phase in PHASES + ("other",):
+    for phase in PHASES:
         for stream, row in sorted(data.get(phase, {}).items()):
             lines.append(f"{phase:<10}{stream:<11}{row.get('ops', 0):>7}{row.get('collectives', 0):>13}"
                          f"{row.get('collective_bytes', 0) / 1e9:>10.2f}{row.get('flops', 0) / 1e12:>10.2f}")

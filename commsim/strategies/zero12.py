@@ -33,6 +33,7 @@ from dataclasses import replace
 from math import ceil
 
 from commsim.ir import ops as O
+from commsim.ir.ops import Phase
 from commsim.ir.errors import CommsimInputError
 from commsim.models.spec import ModelDescription, ParamSpec
 from commsim.strategies.builder import ProgramBuilder
@@ -190,7 +191,7 @@ class Zero12Lowering:
         elems = 0
         for p in params:
             if self.stage == 1:  # reduce_gradients walks every parameter in Python
-                self.b.host(f"reduce {p.name}", O.HostKind.PYTHON, self.costs.grad_hook_ns)
+                self.b.host(f"reduce {p.name}", O.HostKind.GRAD_HOOK, self.costs.grad_hook_ns)
             if bucket and elems + p.numel > size_elems:
                 self._reduce(bucket, f"{phase}.ar{self._next()}")
                 bucket, elems = [], 0
@@ -206,9 +207,9 @@ class Zero12Lowering:
     # ------------------------------------------------------------ passes
     def _run(self, mb: str, e: TraceEntry) -> None:
         b, m = self.b, e.module
-        kernels = m.bwd if e.phase == "bwd" else m.fwd
+        kernels = m.bwd if e.phase is Phase.BACKWARD else m.fwd
         grads: tuple[str, ...] = ()
-        if e.phase == "bwd" and m.bwd:
+        if e.phase is Phase.BACKWARD and m.bwd:
             for p in m.params:
                 if p.name not in self.live_grads:
                     self.live_grads.add(p.name)
@@ -217,21 +218,21 @@ class Zero12Lowering:
         for k in kernels:
             b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
             suffix = "" if k.name in ("fwd", "bwd") else f".{k.name}"
-            b.compute(COMPUTE, f"{mb}{m.path}.{e.phase}{suffix}", k.kind, k.flops, k.bytes_read, k.bytes_written,
+            b.compute(COMPUTE, f"{mb}{m.path}.{e.phase.value}{suffix}", k.kind, k.flops, k.bytes_read, k.bytes_written,
                       k.gemm, buffers=("params16",) + grads)
-        if e.phase == "bwd" and m.bwd and self.stage == 2:
+        if e.phase is Phase.BACKWARD and m.bwd and self.stage == 2:
             # gradient hooks: each parameter's gradient is ready after its last use;
             # autograd accumulates a Linear's bias before its weight
             for p in sorted(m.params, key=lambda p: (not p.name.endswith("bias"), self.order[p.name])):
                 self.uses[p.name] -= 1
                 if self.uses[p.name] == 0:
                     self._grad_ready(p, mb)
-        elif e.phase == "bwd" and m.bwd:
+        elif e.phase is Phase.BACKWARD and m.bwd:
             for p in m.params:
                 self.uses[p.name] -= 1
 
     def _grad_ready(self, p: ParamSpec, mb: str) -> None:
-        self.b.host(f"grad hook {p.name}", O.HostKind.PYTHON, self.costs.grad_hook_ns)
+        self.b.host(f"grad hook {p.name}", O.HostKind.GRAD_HOOK, self.costs.grad_hook_ns)
         if self.ipg and not self.ipg_live:
             self._alloc_ipg()
         if self.bucket and self.bucket_elems + p.numel > self.z.reduce_bucket_size:
@@ -249,6 +250,7 @@ class Zero12Lowering:
 
     def _optimizer(self) -> None:
         b, c = self.b, self.costs
+        b.phase = Phase.OPTIMIZER
         n = self.partition
         if self.stage in (1, 2):
             b.reduce_to_host("optimizer.overflow_allreduce", 1, O.DType.UINT8, self.group, O.ReduceOp.MAX,
@@ -319,12 +321,13 @@ class Zero12Lowering:
             mb = f"mb{micro}." if self.grad_accum > 1 else ""
             self.uses = {p.name: 0 for p in self.params}
             for e in self.trace:
-                if e.phase == "bwd" and e.module.bwd:
+                if e.phase is Phase.BACKWARD and e.module.bwd:
                     for p in e.module.params:
                         self.uses[p.name] += 1
             self.bucket: list[ParamSpec] = []
             self.bucket_elems = 0
             for e in self.trace:
+                self.b.phase = e.phase
                 self._run(mb, e)
             last = micro == self.grad_accum - 1
             if self.stage == 2:

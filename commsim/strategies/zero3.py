@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from math import ceil
 
 from commsim.ir import ops as O
+from commsim.ir.ops import Phase
 from commsim.ir.errors import CommsimInputError
 from commsim.models.spec import Kernel, ModelDescription, ModuleSpec, ParamSpec
 from commsim.strategies.builder import ProgramBuilder
@@ -55,13 +56,13 @@ class TraceEntry:
     """One step of the hook sequence: fetch (a hook call), run the kernels, release."""
 
     module: ModuleSpec
-    phase: str  # "fwd", "recompute" or "bwd"
+    phase: Phase  # FORWARD, RECOMPUTE or BACKWARD
     fetch: bool = True  # a pre-forward / pre-backward hook call (a position in DeepSpeed's trace)
     run: bool = True  # the module's kernels
     release: bool = True  # its post hook (release)
 
 
-def _walk(mods: list[ModuleSpec], order: list[int], phase: str) -> list[TraceEntry]:
+def _walk(mods: list[ModuleSpec], order: list[int], phase: Phase) -> list[TraceEntry]:
     """Entries for modules visited in ``order``; a container (``encloses`` > 0) opens with
     its fetch and closes with its release once all its visited descendants are done."""
     members = set(order)
@@ -100,7 +101,7 @@ def module_trace(md: ModelDescription, checkpointing: bool, style: str = "reentr
     mods = list(md.modules)
     # forward completion: a module finishes after those it encloses
     keys = [(i + m.encloses, -i) for i, m in enumerate(mods)]
-    trace = _walk(mods, list(range(len(mods))), "fwd")
+    trace = _walk(mods, list(range(len(mods))), Phase.FORWARD)
     bwd_order = sorted(range(len(mods)), key=lambda i: keys[i], reverse=True)
     pos = 0
     while pos < len(bwd_order):
@@ -109,7 +110,7 @@ def module_trace(md: ModelDescription, checkpointing: bool, style: str = "reentr
             j = pos
             while j < len(bwd_order) and (mods[bwd_order[j]].block is None or not checkpointing):
                 j += 1
-            trace.extend(_walk(mods, bwd_order[pos:j], "bwd"))
+            trace.extend(_walk(mods, bwd_order[pos:j], Phase.BACKWARD))
             pos = j
             continue
         j = pos
@@ -119,25 +120,25 @@ def module_trace(md: ModelDescription, checkpointing: bool, style: str = "reentr
         members_fwd = sorted(members_bwd)
         pos = j
         if style == "reentrant":
-            trace.extend(_walk(mods, members_fwd, "recompute"))
-            trace.extend(_walk(mods, members_bwd, "bwd"))
+            trace.extend(_walk(mods, members_fwd, Phase.RECOMPUTE))
+            trace.extend(_walk(mods, members_bwd, Phase.BACKWARD))
             continue
         early: set[int] = set()
         for k in members_bwd:
             early.add(k)
-            trace.append(TraceEntry(mods[k], "bwd", True, False, False))
+            trace.append(TraceEntry(mods[k], Phase.BACKWARD, True, False, False))
             if mods[k].fwd or mods[k].bwd:
                 break
-        for e in _walk(mods, members_fwd, "recompute"):
+        for e in _walk(mods, members_fwd, Phase.RECOMPUTE):
             if id(e.module) in {id(mods[k]) for k in early}:
                 if e.fetch or e.run:
-                    trace.append(TraceEntry(e.module, "recompute", e.fetch, e.run, False))
+                    trace.append(TraceEntry(e.module, Phase.RECOMPUTE, e.fetch, e.run, False))
             else:
                 trace.append(e)
-        for e in _walk(mods, members_bwd, "bwd"):
+        for e in _walk(mods, members_bwd, Phase.BACKWARD):
             if id(e.module) in {id(mods[k]) for k in early} and e.fetch:
                 if not e.module.encloses:
-                    trace.append(TraceEntry(e.module, "bwd", False, True, True))
+                    trace.append(TraceEntry(e.module, Phase.BACKWARD, False, True, True))
             else:
                 trace.append(e)
     return trace
@@ -275,7 +276,7 @@ class Zero3Lowering:
             tmp = f"agtmp[{k}]"
             b.alloc(tmp, out_bytes, s, f"all-gather flatten buffer {k}")
             target = (tmp,)
-        label = f"{self.phase}.ag{k}.{why}:{batch[0].name}" + (f"+{len(batch) - 1}" if len(batch) > 1 else "")
+        label = f"{self.b.phase.value}.ag{k}.{why}:{batch[0].name}" + (f"+{len(batch) - 1}" if len(batch) > 1 else "")
         g = self.groups
         if secondary:
             b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
@@ -336,7 +337,7 @@ class Zero3Lowering:
     def _fetch(self, i: int, e: TraceEntry) -> tuple[O.OpId, ...]:
         b, c = self.b, self.costs
         m = e.module
-        b.host(f"hook {m.path}", O.HostKind.PYTHON, c.module_hook_ns)
+        b.host(f"hook {m.path}", O.HostKind.MODULE_HOOK, c.module_hook_ns)
         params = sorted({p.name: p for p in m.params}.values(), key=lambda p: self.ds_id[p.name])
         for p in params:
             self.holders[p.name].add(m.path)
@@ -416,13 +417,13 @@ class Zero3Lowering:
 
     # ------------------------------------------------------------ compute
     def _kernels(self, e: TraceEntry) -> tuple[Kernel, ...]:
-        return e.module.bwd if e.phase == "bwd" else e.module.fwd
+        return e.module.bwd if e.phase is Phase.BACKWARD else e.module.fwd
 
     def _run_module(self, mb: str, e: TraceEntry, deps: tuple[O.OpId, ...]) -> None:
         b, m = self.b, e.module
         pbufs = tuple(dict.fromkeys(self._pbuf(p) for p in m.params))
         extra: tuple[str, ...] = ()
-        if e.phase == "bwd" and m.bwd:
+        if e.phase is Phase.BACKWARD and m.bwd:
             for p in m.params:
                 self.bwd_uses[p.name] -= 1
                 if f"grad:{p.name}" not in self.live_grads:
@@ -433,11 +434,11 @@ class Zero3Lowering:
         for j, k in enumerate(self._kernels(e)):
             b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
             suffix = "" if k.name in ("fwd", "bwd") else f".{k.name}"
-            b.compute(COMPUTE, f"{mb}{m.path}.{e.phase}{suffix}", k.kind, k.flops, k.bytes_read, k.bytes_written,
+            b.compute(COMPUTE, f"{mb}{m.path}.{e.phase.value}{suffix}", k.kind, k.flops, k.bytes_read, k.bytes_written,
                       k.gemm, deps=deps if j == 0 else (), buffers=pbufs + extra + act)
         if m.fwd:
             self._after_module(mb, e)
-        if e.phase == "bwd" and m.bwd:
+        if e.phase is Phase.BACKWARD and m.bwd:
             for p in sorted(m.params, key=lambda p: self.ds_id[p.name]):
                 if self.bwd_uses[p.name] == 0 and p.name not in self.reduced:
                     self.reduced.add(p.name)
@@ -449,8 +450,8 @@ class Zero3Lowering:
         m = e.module
         size = sum(k.bytes_written for k in m.fwd)
         name = f"{mb}act:{m.path}"
-        if e.phase in ("fwd", "recompute"):
-            if self.checkpointing and m.block is not None and e.phase == "fwd":
+        if e.phase in (Phase.FORWARD, Phase.RECOMPUTE):
+            if self.checkpointing and m.block is not None and e.phase is Phase.FORWARD:
                 first = self.block_first.get(m.block) == m.path
                 if first:
                     self.b.alloc(f"{mb}ckpt:{m.block}", self._ckpt_bytes(m), COMPUTE,
@@ -468,16 +469,16 @@ class Zero3Lowering:
     def _after_module(self, mb: str, e: TraceEntry) -> None:
         m = e.module
         name = f"{mb}act:{m.path}"
-        if e.phase == "fwd" and self.checkpointing and m.block is not None:
+        if e.phase is Phase.FORWARD and self.checkpointing and m.block is not None:
             self.b.free(name, COMPUTE, "activation not kept (checkpointed layer)")
-        elif e.phase == "bwd":
+        elif e.phase is Phase.BACKWARD:
             self.b.free(name, COMPUTE, "activation consumed by backward")
             if self.checkpointing and m.block is not None and self.block_first.get(m.block) == m.path:
                 self.b.free(f"{mb}ckpt:{m.block}", COMPUTE, f"checkpointed input of layer {m.block}")
 
     # ------------------------------------------------------------ gradients
     def _grad_ready(self, p: ParamSpec) -> None:
-        self.b.host(f"grad hook {p.name}", O.HostKind.PYTHON, self.costs.grad_hook_ns)
+        self.b.host(f"grad hook {p.name}", O.HostKind.GRAD_HOOK, self.costs.grad_hook_ns)
         if self.bucket and self.bucket_elems + p.numel > self.z.reduce_bucket_size:
             self._flush()
         b, s = self.b, self.rs_stream
@@ -570,6 +571,7 @@ class Zero3Lowering:
     # ------------------------------------------------------------ optimizer
     def _optimizer_step(self) -> None:
         b, c = self.b, self.costs
+        b.phase = Phase.OPTIMIZER
         for p in self.params:  # release everything, persistent parameters included
             if self.status[p.name] == AVAILABLE:
                 self._free_param(p)
@@ -632,7 +634,6 @@ class Zero3Lowering:
         if pers:
             # Synchronous gather (stage3._post_step -> Init._all_gather): one all-gather per
             # parameter, all launched, then all waited; no coordinator back-pressure.
-            self.phase = "optimizer"
             for p in pers:
                 self._all_gather_call([p], "persistent")
             for p in pers:
@@ -668,14 +669,14 @@ class Zero3Lowering:
             self.n_available = 0
             self.bwd_uses = {p.name: 0 for p in self.params}
             for e in self.trace:
-                if e.phase == "bwd" and e.run and e.module.bwd:
+                if e.phase is Phase.BACKWARD and e.run and e.module.bwd:
                     for p in e.module.params:
                         self.bwd_uses[p.name] += 1
             self.reduced: set[str] = set()
             self.live_grads: set[str] = set()
             self.bucket, self.bucket_elems = [], 0
             for i, e in enumerate(self.trace):
-                self.phase = e.phase
+                self.b.phase = e.phase
                 deps = self._fetch(i, e) if e.fetch else ()
                 if e.run:
                     self._run_module(mb, e, deps)

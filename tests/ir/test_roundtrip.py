@@ -26,10 +26,55 @@ def test_save_and_load(tmp_path, tiny_schedule):
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary left behind
 
 
-def test_unknown_schema_version_is_refused(tiny_schedule):
+@pytest.mark.parametrize("version", [1, 99])
+def test_other_schema_versions_are_refused(tiny_schedule, version):
     obj = json.loads(schedule_to_json(tiny_schedule))
-    obj["schema_version"] = 99
-    with pytest.raises(ScheduleFormatError, match=r"unsupported schema version 99; this commsim reads version 1"):
+    obj["schema_version"] = version
+    with pytest.raises(ScheduleFormatError, match=rf"^\$\.schema_version: unsupported schema version {version}; "
+                       r"this commsim reads version 2 \(regenerate the schedule with this commsim\)$"):
+        schedule_from_json(json.dumps(obj))
+
+
+def test_old_text_form_is_refused_by_file(tmp_path, tiny_schedule):
+    from commsim.ir.load import load_schedule_any
+
+    path = tmp_path / "old.txt"
+    path.write_text(schedule_to_text(tiny_schedule).replace("text v2", "text v1", 1))
+    with pytest.raises(ScheduleFormatError, match=r"old.txt: line 1: unsupported schema version '1'; this commsim "
+                       r"reads version 2 \(regenerate"):
+        load_schedule_any(path)
+
+
+def test_phase_and_meta_fields_round_trip(tiny_schedule):
+    from dataclasses import replace
+
+    from commsim.ir import ops as O
+
+    prog = tiny_schedule.programs[0]
+    step = tuple(replace(op, phase=O.Phase.BACKWARD) for op in prog.step)
+    meta = replace(tiny_schedule.meta, preset="baseline", knobs=(("coalesced_collectives", False),),
+                   config=(("reduce_bucket_size", 500),), nodes=1, gpus_per_node=2, micro_batch=4, seq_len=16,
+                   grad_accum=2, precision="fp16", checkpointing=True, checkpoint_style="reentrant",
+                   rank_symmetric=True)
+    s = replace(tiny_schedule, programs=(replace(prog, step=step),), meta=meta)
+    assert schedule_from_json(schedule_to_json(s)) == s
+    assert schedule_from_text(schedule_to_text(s)) == s
+    assert " phase=bwd " in schedule_to_text(s)
+    assert " phase=" not in schedule_to_text(tiny_schedule)  # the default (other) is not written
+
+
+def test_meta_fields_are_checked(tiny_schedule):
+    obj = json.loads(schedule_to_json(tiny_schedule))
+    obj["meta"]["precision"] = "fp8"
+    with pytest.raises(ScheduleFormatError, match=r"^\$\.meta\.precision: 'fp8'; allowed: fp32, bf16, fp16 or null$"):
+        schedule_from_json(json.dumps(obj))
+    obj = json.loads(schedule_to_json(tiny_schedule))
+    obj["meta"]["nodes"] = "two"
+    with pytest.raises(ScheduleFormatError, match=r"^\$\.meta\.nodes: expected an integer, got 'two'$"):
+        schedule_from_json(json.dumps(obj))
+    obj = json.loads(schedule_to_json(tiny_schedule))
+    obj["meta"]["seq_len_typo"] = 1
+    with pytest.raises(ScheduleFormatError, match=r"^\$\.meta: unknown field\(s\) seq_len_typo; allowed: "):
         schedule_from_json(json.dumps(obj))
 
 

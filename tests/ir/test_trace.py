@@ -10,7 +10,7 @@ from commsim.ir.trace import Trace, TraceMeta, TraceRecord, TraceSource, make_tr
 META = TraceMeta(TraceSource.PREDICTED, producer="test", schedule_hash="abc", hardware="p4d", seed=7,
                  extra=(("mode", "symmetric"),))
 RECORDS = [
-    TraceRecord(1, "compute", 3, "gemm", "layer0.fwd", 100, 250, 4096, 10**6, 0),
+    TraceRecord(1, "compute", 3, "gemm", "layer0.fwd", 100, 250, 4096, 10**6, 0, "fwd"),
     TraceRecord(0, "allgather", 2, "all_gather", "fetch", 0, 90, 8192, 0, 0),
     TraceRecord(0, "host", 1, "host_python", "hook", 0, 5),
 ]
@@ -41,10 +41,19 @@ def test_chrome_trace_names_ranks_and_streams():
     json.dumps(chrome)  # serialisable
 
 
-def test_load_refuses_other_versions(tmp_path):
+@pytest.mark.parametrize("version", [1, 3])
+def test_load_refuses_other_versions(tmp_path, version):
     obj = make_trace(META, RECORDS).to_dict()
-    obj["schema_version"] = 2
+    obj["schema_version"] = version
     path = tmp_path / "t.json"
     path.write_text(json.dumps(obj))
-    with pytest.raises(ScheduleFormatError, match=r"t.json: unsupported trace schema version 2; this commsim reads 1"):
+    with pytest.raises(ScheduleFormatError, match=rf"t.json: unsupported trace schema version {version}; "
+                       r"this commsim reads 2"):
         Trace.load(path)
+
+
+def test_phase_is_a_column():
+    t = make_trace(META, RECORDS)
+    assert t.to_dict()["columns"][-1] == "phase"
+    assert [r.phase for r in t.records] == ["other", "other", "fwd"]
+    assert list(t.to_dataframe()["phase"]) == ["other", "other", "fwd"]

@@ -35,7 +35,7 @@ def test_hpz_gathers_in_the_node_after_the_first_use_and_keeps_secondary_shards(
     s = gen(World(2, 2), zero_hpz_partition_size=2, **NOTHING_LIVE)
     assert validate(s) == []
     assert len(s.programs) == 2 and s.rank_program == (0, 0, 1, 1)
-    assert s.meta.knob("rank_symmetric") is True
+    assert s.meta.rank_symmetric is True
     p0, p1 = s.programs
     ags = colls(p0, O.CollectiveKind.ALL_GATHER)
     # rank 2's program is rank 0's over its own node group

@@ -33,7 +33,7 @@ def test_adam_traffic_by_implementation(stage):
         assert sum(op.bytes_read for op in adam) == read * n and sum(op.bytes_written for op in adam) == written * n
         temps = [op for op in step if isinstance(op, O.Alloc) and "torch AdamW temporary" in op.label]
         assert [op.size_bytes for op in temps] == ([] if optimizer else [4 * n, 4 * n])
-        assert s.meta.knob("optimizer") == ds.optimizer_impl
+        assert s.meta.setting("optimizer") == ds.optimizer_impl
 
 
 def test_optimizer_section_errors_and_warnings():
