@@ -17,10 +17,12 @@ across nodes; the cheapest is chosen per call, as NCCL does.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from math import ceil, log2
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
+from commsim.hardware.platform import GPU, Platform
 from commsim.hardware.specs import US, ClusterSpec
 from commsim.ir import ops as O
 
@@ -34,7 +36,18 @@ NCCL_CHANNELS = 8  # CTAs (SMs) NCCL occupies while a collective runs (NCCL_MIN_
 SMALL_COPY_LATENCY_NS = 10 * US  # a small cudaMemcpy across PCIe, end to end
 
 
-Link = tuple[str, int]  # ("nic", node) or ("nvl", node)
+class LinkKind(enum.Enum):
+    NIC = "nic"  # a node's network interfaces to the other nodes, pooled
+    NVLINK = "nvlink"  # a GPU's NVLink / NVSwitch port inside the node
+    CHANNEL = "channel"  # a measured profile's one communication channel per node (all kinds share it)
+
+
+class Link(NamedTuple):
+    """A link whose bandwidth concurrent transfers share: its kind and its node.
+    (A named tuple: the simulator hashes links on every rate change.)"""
+
+    kind: LinkKind
+    node: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +60,16 @@ class CollectivePlan:
 
 
 class CostModel(Protocol):
+    """What things cost on one machine, and how it executes them (``platform``).
+
+    Prices only: how ops are run (queued or inline, caching allocator or malloc, issue
+    order, cores, drift) is the platform's to say, and the simulator's to act on."""
+
+    platform: Platform
+    ranks_per_node: int  # ranks (GPUs, or CPU processes) per node
+    hbm_bytes: int  # device (or host) memory per rank
+    describe: str
+
     def compute_ns(self, op: O.Compute) -> int: ...
     def copy_ns(self, op: O.Copy) -> int: ...
     def collective(self, op: O.Collective) -> CollectivePlan: ...
@@ -54,21 +77,18 @@ class CostModel(Protocol):
     def node_of(self, rank: int) -> int: ...
     # an allocation with no cache in front, of which touch_bytes (None: all) get written
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int: ...
+
+    # interference: compute runs this much slower while its rank communicates; a
+    # collective's bandwidth, and its fixed latency, this much slower while its node computes
     comm_slowdown: float
     comm_slowdown_during_compute: float
-    comm_latency_slowdown_during_compute: float  # a collective's latency while its node computes
-    rank_noise_sd: float  # each rank's speed drift: sd of its log speed (0: none)
-    rank_noise_corr_ns: int  # and its correlation time
-    issue_ns: int
-    malloc_syncs_device: bool
-    synchronous_compute: bool  # kernels run on the host thread (CPUs) rather than queued on a device
-    caching_allocator: bool  # False: every allocation costs host_malloc_ns(size)
-    hbm_bytes: int
+    comm_latency_slowdown_during_compute: float
+    issue_ns: int  # host time to hand one device op to its stream
+    # caching allocator misses: cudaMalloc / cudaFree of a segment
     malloc_base_ns: int
     malloc_ns_per_byte: float
     free_base_ns: int
     free_ns_per_byte: float
-    describe: str
 
 
 class SpecCostModel:
@@ -86,7 +106,8 @@ class SpecCostModel:
         self.cluster = cluster
         node = cluster.node
         self.gpu = node.gpu
-        self.gpus_per_node = node.gpus_per_node
+        self.gpus_per_node = self.ranks_per_node = node.gpus_per_node
+        self.platform = GPU
         peak = self.gpu.peak_tensor_flops_per_s
         # fp32 training runs its GEMMs as TF32: half the bf16 tensor peak on A100/H100.
         self.gemm_peak = peak / 2 if precision == "fp32" else peak
@@ -97,14 +118,8 @@ class SpecCostModel:
         # NCCL's copies run on their own SMs and DMA: collectives are not slowed by compute
         self.comm_slowdown_during_compute = 1.0
         self.comm_latency_slowdown_during_compute = 1.0
-        # GPUs' kernel-time variation (~1%) is per-rank mode's own jitter; no drift by default
-        self.rank_noise_sd = 0.0
-        self.rank_noise_corr_ns = 0
         # issuing a device op costs host time only through the schedule's own launch ops
         self.issue_ns = 0
-        self.malloc_syncs_device = True
-        self.synchronous_compute = False  # GPUs queue kernels; the host runs ahead
-        self.caching_allocator = True  # PyTorch's CUDA caching allocator
         self.hbm_bytes = self.gpu.hbm_bytes
         self.describe = cluster.name
 
@@ -137,7 +152,7 @@ class SpecCostModel:
         return rank // self.gpus_per_node
 
     def link_capacity(self, link: Link) -> float:
-        return self.nic_bw if link[0] == "nic" else self.nvl_bw
+        return self.nic_bw if link.kind is LinkKind.NIC else self.nvl_bw
 
     def collective(self, op: O.Collective) -> CollectivePlan:
         group = op.group
@@ -164,9 +179,9 @@ class SpecCostModel:
                       + inter_steps * NCCL_NET_HOP_US[("ring", proto)])
             lat_ns = int(lat_us * US) + inter_steps * self.cluster.node.fabric.latency_ns
             demand = ring_bytes / PROTOCOL_BW_FACTOR[proto]
-            dem = [(("nvl", nd), demand) for nd in nodes]
+            dem = [(Link(LinkKind.NVLINK, nd), demand) for nd in nodes]
             if n > 1:
-                dem += [(("nic", nd), demand) for nd in nodes]
+                dem += [(Link(LinkKind.NIC, nd), demand) for nd in nodes]
             options.append((f"ring/{proto}", lat_ns, tuple(dem)))
             if kind is O.CollectiveKind.ALL_REDUCE and n > 1:
                 # Double binary tree: a node sends and receives the buffer once each way;
@@ -177,7 +192,8 @@ class SpecCostModel:
                 lat_ns = int(lat_us * US) + 2 * ceil(log2(n)) * self.cluster.node.fabric.latency_ns
                 tdem = s / PROTOCOL_BW_FACTOR[proto]
                 options.append((f"tree/{proto}", lat_ns,
-                                tuple([(("nvl", nd), tdem) for nd in nodes] + [(("nic", nd), tdem) for nd in nodes])))
+                                tuple([(Link(LinkKind.NVLINK, nd), tdem) for nd in nodes]
+                                      + [(Link(LinkKind.NIC, nd), tdem) for nd in nodes])))
 
         def est(o: tuple[str, int, tuple]) -> float:
             return o[1] + max(b / self.link_capacity(l) for l, b in o[2]) * 1e9

@@ -28,6 +28,12 @@ from dataclasses import dataclass
 from commsim.ir.errors import CommsimInputError
 
 
+# Linux's time slice between runnable threads, for profiles that did not measure it:
+# EEVDF's base slice (0.75 ms x (1 + log2 cores), kernel/sched/fair.c) is enforced at
+# the scheduler tick, 4 ms at CONFIG_HZ=250. `commsim calibrate` measures it.
+DEFAULT_TIME_SLICE_NS = 4_000_000
+
+
 class KernelExecution(enum.Enum):
     QUEUED = "queued"  # kernels queued on device streams; the host runs ahead (GPUs)
     INLINE = "inline"  # kernels run on the host thread when it reaches them (CPUs)

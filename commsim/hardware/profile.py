@@ -55,10 +55,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from commsim.hardware.costs import CollectivePlan, Link
+from commsim.hardware.costs import CollectivePlan, Link, LinkKind
+from commsim.hardware.platform import DEFAULT_TIME_SLICE_NS, CpuCores, Platform, RankDrift, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 from commsim.util.files import read_json
@@ -158,14 +160,14 @@ class HardwareProfile:
             return int(y_lo * 1e9)
         return max(0, int(_piecewise(pts, size_bytes) * 1e9))
 
-    @property
-    def synchronous_compute(self) -> bool:
-        """On CPUs (gloo) kernels run on the calling thread: the host waits for each."""
-        return self.backend != "nccl"
-
-    @property
-    def malloc_syncs_device(self) -> bool:
-        return self.backend == "nccl"  # cudaMalloc synchronises; host malloc does not
+    @cached_property
+    def platform(self) -> Platform:
+        """The backend's platform, with the cores and rank drift this profile measured."""
+        cpu = None
+        if self.cpu_cores:
+            cpu = CpuCores(self.cpu_cores, self.ranks_per_node, self.time_slice_ns or DEFAULT_TIME_SLICE_NS)
+        return platform_of_backend(self.backend, cpu, RankDrift(self.rank_noise_sd, self.rank_noise_corr_ns),
+                                   self.caching_allocator)
 
     @property
     def describe(self) -> str:
@@ -201,7 +203,7 @@ class HardwareProfile:
         return self.kernel_overhead_ns + int(max(mem_s, flop_s) * 1e9)
 
     def copy_ns(self, op: O.Copy) -> int:
-        if self.elementwise_points and (op.direction is O.CopyDirection.D2D or self.backend != "nccl"):
+        if self.elementwise_points and (op.direction is O.CopyDirection.D2D or self.platform.inline_kernels):
             # the executor copies with the memory-bound kernel: read + write the bytes
             return self.kernel_overhead_ns + int(self._memory_s(2 * op.size_bytes) * 1e9)
         bw = self.d2d_bytes_per_s if op.direction is O.CopyDirection.D2D else self.h2d_bytes_per_s
@@ -227,7 +229,7 @@ class HardwareProfile:
         seconds = fit.seconds(op.size_bytes)
         nodes = sorted({self.node_of(r) for r in op.group})
         return CollectivePlan(f"measured/{size}", fit.latency_ns,
-                              tuple((("net", n), seconds * _LINK_UNITS_PER_S) for n in nodes))
+                              tuple((Link(LinkKind.CHANNEL, n), seconds * _LINK_UNITS_PER_S) for n in nodes))
 
 
 def _num(obj: dict[str, Any], key: str, where: str, positive: bool = True) -> float:

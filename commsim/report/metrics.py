@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from commsim.ir import ops as O
 from commsim.models.spec import ModelDescription
-from commsim.sim.engine import HOST, HostBlock, OpRecord, SimResult
+from commsim.sim.records import HOST, HostBlock, OpRecord, SimResult
 
 COMPUTE_STREAM = "compute"
 STALL_CAUSES = ("all_gather", "reduce_scatter", "other_comm", "straggler", "host", "allocator_flush",

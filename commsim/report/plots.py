@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 from commsim.ir import ops as O
 from commsim.report.metrics import COMPUTE_STREAM, STALL_CAUSES, stall_intervals
-from commsim.sim.engine import HOST, SimResult
+from commsim.sim.records import HOST, SimResult
 
 COLOURS = {
     "gemm": "#4c72b0", "attention": "#55a868", "elementwise": "#8172b2", "optimizer": "#937860",

@@ -20,7 +20,7 @@ from reference/allocator.md:
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 KMIN_BLOCK = 512
 KSMALL_SIZE = 1 << 20
@@ -175,6 +175,31 @@ class CachingAllocator:
                 self.stats.num_device_free += 1
                 freed.append(seg.size)
         return tuple(freed)
+
+    def clone(self) -> tuple["CachingAllocator", dict[Block, Block]]:
+        """An independent copy of the allocator's state, and each block's copy (so a
+        holder of blocks can follow them). Segments are walked block by block: the
+        chains can be thousands of blocks long, too deep for a recursive copy."""
+        new = CachingAllocator(self.capacity_bytes, replace(self.stats))
+        new._next_segment = self._next_segment
+        mapping: dict[Block, Block] = {}
+        for sid, seg in self._segments.items():
+            copy = Segment(seg.id, seg.size, seg.stream, seg.small, None, seg.allocated_blocks)
+            prev = None
+            b = seg.head
+            while b is not None:
+                nb = Block(copy, b.offset, b.size, b.allocated, prev)
+                if prev is None:
+                    copy.head = nb
+                else:
+                    prev.next = nb
+                mapping[b] = nb
+                prev = nb
+                b = b.next
+            new._segments[sid] = copy
+        for key, pool in self._pools.items():
+            new._pools[key] = [(k, mapping[b]) for k, b in pool]
+        return new, mapping
 
     def inactive_split_bytes(self) -> int:
         """Free bytes inside segments that also hold live blocks (fragmentation)."""

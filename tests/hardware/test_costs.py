@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from commsim.hardware.costs import SpecCostModel
+from commsim.hardware.costs import Link, LinkKind, SpecCostModel
 from commsim.hardware.profile import load_profile, mean_profile, profile_from_dict
 from commsim.hardware.specs import NODE_PRESETS, cluster_preset
 from commsim.ir import ops as O
@@ -29,7 +29,7 @@ def test_ring_all_gather_across_nodes_uses_nccl_latency_terms_and_nic_bytes():
     assert plan.algorithm == "ring/Simple"
     # base 8.4 + (15 - 1) NVLink hops x 3.4 + 1 network hop x (14 + 23 EFA) us
     assert plan.latency_ns == int((8.4 + 14 * 3.4 + 14.0) * 1000) + 23_000
-    assert dict(plan.demands)[("nic", 0)] == pytest.approx((1 << 30) * 15 / 16)
+    assert dict(plan.demands)[Link(LinkKind.NIC, 0)] == pytest.approx((1 << 30) * 15 / 16)
     small = m.collective(ag(4096, range(16)))
     assert small.algorithm == "ring/LL"  # latency-bound: the low-latency protocol wins
 
@@ -40,7 +40,7 @@ def test_tree_all_reduce_between_two_nodes_beats_ring_for_large_buffers():
                       reduce_op=O.ReduceOp.SUM)
     plan = m.collective(ar)
     assert plan.algorithm == "tree/Simple"
-    assert dict(plan.demands)[("nic", 1)] == pytest.approx(1 << 30)  # the buffer once each way, not 2(p-1)/p
+    assert dict(plan.demands)[Link(LinkKind.NIC, 1)] == pytest.approx(1 << 30)  # the buffer once each way, not 2(p-1)/p
 
 
 def test_gemm_efficiency_falls_for_small_gemms_by_wave_quantisation():
@@ -78,10 +78,10 @@ def test_profile_costs(tmp_path):
     p = load_profile(path)
     plan = p.collective(ag(10**6, (0, 1)))
     assert plan.latency_ns == 200000
-    assert plan.demands == ((("net", 0), 1e-3 * 1e9),)  # 1 MB at 1 GB/s = 1 ms of link time
+    assert plan.demands == ((Link(LinkKind.CHANNEL, 0), 1e-3 * 1e9),)  # 1 MB at 1 GB/s = 1 ms of link time
     rs = O.Collective(O.OpId(1), "r", "x", O.CollectiveKind.REDUCE_SCATTER, 10**6, O.DType.BF16, (0, 1),
                       reduce_op=O.ReduceOp.SUM)
-    assert dict(p.collective(rs).demands)[("net", 0)] == pytest.approx(2e-3 * 1e9)  # measured per kind
+    assert dict(p.collective(rs).demands)[Link(LinkKind.CHANNEL, 0)] == pytest.approx(2e-3 * 1e9)  # measured per kind
     gemm = O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, 10**9, 0, 0)
     assert p.compute_ns(gemm) == 1000 + int(1e9 / 1e10 * 1e9)
     ar = O.Collective(O.OpId(1), "c", "x", O.CollectiveKind.ALL_REDUCE, 8, O.DType.FP64, (0, 1),

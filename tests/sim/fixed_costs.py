@@ -1,19 +1,16 @@
 """A cost model with round numbers for exact-trace tests: 1 flop = 1 ns, 1 byte = 1 ns."""
 
-from commsim.hardware.costs import CollectivePlan
+from commsim.hardware.costs import CollectivePlan, Link, LinkKind
+from commsim.hardware.platform import GPU
 from commsim.ir import ops as O
 
 
 class FixedCosts:
+    platform = GPU
     comm_slowdown = 1.0
     comm_slowdown_during_compute = 1.0
     comm_latency_slowdown_during_compute = 1.0
-    rank_noise_sd = 0.0
-    rank_noise_corr_ns = 0
     issue_ns = 0
-    malloc_syncs_device = True
-    synchronous_compute = False
-    caching_allocator = True
     malloc_base_ns = 1000
     malloc_ns_per_byte = 0.0
     free_base_ns = 500
@@ -23,7 +20,7 @@ class FixedCosts:
     def __init__(self, hbm_bytes: int = 1 << 40, gpus_per_node: int = 1, link_bytes_per_s: float = 1e9,
                  latency_ns: int = 0):
         self.hbm_bytes = hbm_bytes
-        self.gpus_per_node = gpus_per_node
+        self.gpus_per_node = self.ranks_per_node = gpus_per_node
         self.bw = link_bytes_per_s
         self.latency_ns = latency_ns
 
@@ -44,4 +41,4 @@ class FixedCosts:
 
     def collective(self, op: O.Collective) -> CollectivePlan:
         nodes = sorted({self.node_of(r) for r in op.group})
-        return CollectivePlan("fixed", self.latency_ns, tuple((("nic", n), float(op.size_bytes)) for n in nodes))
+        return CollectivePlan("fixed", self.latency_ns, tuple((Link(LinkKind.NIC, n), float(op.size_bytes)) for n in nodes))

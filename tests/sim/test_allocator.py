@@ -70,3 +70,36 @@ def test_no_room_needs_flush_then_retry_then_oom():
     with pytest.raises(OutOfMemory):
         a.malloc_after_flush(30 * MiB, "t")
     assert a.stats.num_ooms == 1 and a.stats.num_alloc_retries == 2
+
+
+def _layout(a: CachingAllocator) -> list:
+    out = []
+    for sid, seg in sorted(a._segments.items()):
+        b, blocks = seg.head, []
+        while b is not None:
+            assert b.segment is seg and (b.next is None or b.next.prev is b)
+            blocks.append((b.offset, b.size, b.allocated))
+            b = b.next
+        out.append((sid, seg.size, seg.stream, seg.small, seg.allocated_blocks, blocks))
+    return out
+
+
+def test_clone_copies_long_block_chains_and_is_independent():
+    """A warmed-up allocator is cloned for every simulated rank. Small pools hold chains of
+    thousands of blocks: a recursive copy (copy.deepcopy) overflowed Python's stack on
+    roberta-large per-rank; the clone walks them."""
+    a = CachingAllocator(1 << 40)
+    blocks = [a.malloc(512, "s").block for _ in range(5000)]  # two small segments, long chains
+    for b in blocks[::3]:
+        a.free(b)
+    big = a.malloc(30 * MiB, "t").block
+    c, mapping = a.clone()
+    assert _layout(c) == _layout(a) and c.stats == a.stats
+    assert [k for k, _ in c._pools[(True, "s")]] == [k for k, _ in a._pools[(True, "s")]]
+    assert all(mapping[b].segment is c._segments[b.segment.id] for b in blocks)
+    # independent: freeing in the copy leaves the original as it was
+    before = _layout(a)
+    c.free(mapping[big])
+    c.free(mapping[blocks[1]])
+    assert _layout(a) == before and _layout(c) != before
+    assert c.malloc(512, "s").block.segment.id == blocks[0].segment.id  # best fit in the copy's pool

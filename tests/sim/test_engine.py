@@ -1,5 +1,10 @@
 """Exact event logs of the engine on tiny hand-written schedules."""
 
+from dataclasses import replace
+
+import pytest
+
+from commsim.hardware.platform import CPU, GPU, CpuCores, MemoryModel, RankDrift, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
 from commsim.sim.engine import HOST, SimConfig, Simulator
@@ -132,7 +137,7 @@ def test_cpu_semantics_kernels_run_on_the_host():
     # A CPU profile: kernels execute on the host thread when it reaches them (after their
     # deps and their stream's previous op); collectives still run in the background.
     costs = FixedCosts()
-    costs.synchronous_compute = True
+    costs.platform = CPU
     prog = Program((), (comp(1, 10), coll(2, 50, (0,)), comp(3, 5), comp(4, 20, deps=(O.OpId(2),)),
                         O.HostWork(O.OpId(5), "after", O.HostKind.PYTHON, 3)))
     res = run(Schedule.uniform(1, prog), costs=costs)
@@ -150,7 +155,7 @@ def test_cpu_collective_latency_is_slowed_while_the_rank_works():
     """A CPU profile measured how much longer a collective's fixed latency takes while the
     node's ranks run kernels or copies (the backend's thread waits for a busy core)."""
     costs = FixedCosts(latency_ns=100)
-    costs.synchronous_compute = True
+    costs.platform = CPU
     costs.comm_latency_slowdown_during_compute = 3.0
     # ag1 starts while c2 runs: 3 x 100 ns latency + 50 bytes; ag3 starts (behind ag1)
     # after c2 ended and the host is waiting: 100 + 50
@@ -173,18 +178,18 @@ def test_cpu_collectives_reach_the_backend_in_issue_order():
     rs = O.Collective(O.OpId(3), "reduce", "rs3", O.CollectiveKind.REDUCE_SCATTER, 2, O.DType.UINT8, (0,),
                       reduce_op=O.ReduceOp.SUM)
     prog = Program((), (coll(1, 100, (0,)), coll(2, 10, (0,)), rs))
-    costs.synchronous_compute = True
+    costs.platform = CPU
     # ag2 and rs3 then share the link: 12 bytes at 1 B/ns after their 100 ns latency
     assert events(run(Schedule.uniform(1, prog), costs=costs)) == [
         (0, 200, 0, AG, "ag1"), (200, 304, 0, "reduce", "rs3"), (200, 312, 0, AG, "ag2")]
-    costs.synchronous_compute = False
+    costs.platform = GPU
     assert events(run(Schedule.uniform(1, prog), costs=costs)) == [
         (0, 104, 0, "reduce", "rs3"), (0, 202, 0, AG, "ag1"), (202, 312, 0, AG, "ag2")]
 
 
 def test_host_malloc_costs_every_allocation():
     costs = FixedCosts()
-    costs.caching_allocator = False
+    costs.platform = replace(GPU, memory=MemoryModel.MALLOC)
     costs.malloc_ns_per_byte = 0.001
     prog = Program((), (O.Alloc(O.OpId(1), C, "a", "a", 1 << 20), O.Free(O.OpId(2), C, "a", "a"),
                         O.Alloc(O.OpId(3), C, "b", "b", 1 << 20), O.Free(O.OpId(4), C, "b", "b")))
@@ -198,7 +203,7 @@ def test_cpu_scheduler_round_robin_in_time_slices():
     whose slice ran out (they queue behind it), and a lone thread keeps its core."""
     import simpy
 
-    from commsim.sim.engine import CpuScheduler, CpuThread
+    from commsim.sim.cpu_scheduler import CpuScheduler, CpuThread
 
     env = simpy.Environment()
     cpu = CpuScheduler(env, cores=1, slice_ns=4)
@@ -224,10 +229,7 @@ def test_more_ranks_than_cores_are_time_sliced():
     ranks busy (half a core each), so each rank's kernel is half its measured time of one
     core's work; two ranks run while two wait, and the step takes the measured time."""
     costs = FixedCosts(gpus_per_node=4)
-    costs.synchronous_compute = True
-    costs.ranks_per_node = 4
-    costs.cpu_cores = 2
-    costs.time_slice_ns = 4
+    costs.platform = platform_of_backend("gloo", CpuCores(cores=2, ranks_per_node=4, time_slice_ns=4))
     prog = Program((), (comp(1, 8),))
     res = run(Schedule.uniform(4, prog), mode="auto", costs=costs)
     assert res.mode == "per-rank" and res.step_time_ns == 8
@@ -241,7 +243,8 @@ def test_more_ranks_than_cores_are_time_sliced():
     res = run(Schedule.uniform(4, prog), mode="auto", costs=costs)
     assert res.step_time_ns == 48
     assert run(Schedule.uniform(4, prog), mode="symmetric", costs=costs).step_time_ns == 40
-    costs.cpu_cores = 4  # a core per rank: no scheduling, one rank simulated
+    # a core per rank: no scheduling, one rank simulated
+    costs.platform = platform_of_backend("gloo", CpuCores(cores=4, ranks_per_node=4, time_slice_ns=4))
     res = run(Schedule.uniform(4, Program((), (comp(1, 8),))), mode="auto", costs=costs)
     assert res.mode == "symmetric" and res.step_time_ns == 8 and res.cpu_sharing == ""
 
@@ -274,7 +277,7 @@ def test_measured_drift_simulates_every_rank_and_reports_the_median_of_seeded_st
     costs = FixedCosts()
     assert Simulator(Schedule.uniform(2, prog), costs).mode == "symmetric"
     assert simulate(Simulator(Schedule.uniform(2, prog), costs)).step_samples_ns == ()
-    costs.rank_noise_sd, costs.rank_noise_corr_ns = 0.1, 5_000_000
+    costs.platform = replace(GPU, drift=RankDrift(0.1, 5_000_000))
     assert Simulator(Schedule.uniform(2, prog), costs).mode == "per-rank"
     res = simulate(Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=4)))
     assert len(res.step_samples_ns) == NOISE_SAMPLES and len(set(res.step_samples_ns)) == NOISE_SAMPLES
@@ -284,10 +287,7 @@ def test_measured_drift_simulates_every_rank_and_reports_the_median_of_seeded_st
     assert res.step_samples_ns == tuple(
         Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=4 + i)).run().step_time_ns
         for i in range(NOISE_SAMPLES))
-    costs.rank_noise_corr_ns = 0
-    try:
-        Simulator(Schedule.uniform(2, prog), costs)
-    except ValueError as e:
-        assert "correlation time > 0" in str(e)
-    else:
-        raise AssertionError("a drift without a correlation time was accepted")
+    with pytest.raises(ValueError, match="when it is not 0, the correlation time > 0"):
+        RankDrift(0.1, 0)
+    with pytest.raises(ValueError, match="when it is not 0, the correlation time > 0"):
+        Simulator(Schedule.uniform(2, prog), FixedCosts(), SimConfig(rank_noise_sd=0.1, rank_noise_corr_ns=0))

@@ -48,7 +48,7 @@ def test_step_time_bounded_below_by_compute_and_busiest_link(sc):
     for op in prog.step:
         if isinstance(op, O.Collective):
             for link, b in cost.collective(op).demands:
-                if link[1] == 0:
+                if link.node == 0:
                     link_bytes[link] += b
     busiest = max((b / cost.link_capacity(l) * 1e9 for l, b in link_bytes.items()), default=0)
     assert res.step_time_ns >= compute

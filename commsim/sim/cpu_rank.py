@@ -1,0 +1,80 @@
+"""A CPU rank (gloo): kernels on the host thread, collectives in program order.
+
+A CPU has no device queue: a compute or copy op runs on the host thread when the host
+reaches it, once the previous op of its stream and its deps are done. Collectives run
+in the backend's threads; gloo matches a group's collectives by the order of their
+calls, so they reach the backend in the order the host issued them (a ticket each),
+whatever stream they are on. On a node whose ranks outnumber its cores, the host thread
+runs its kernels on a time-sliced core (``cpu_scheduler``) and the cores are shared
+instead of kernels being slowed by a factor; otherwise kernels run slower while a
+collective is in flight, and slow the node's links while they run.
+"""
+
+from __future__ import annotations
+
+import simpy
+
+from commsim.ir import ops as O
+from commsim.sim.rank import RankSim
+from commsim.sim.records import OpRecord
+
+
+class CpuRank(RankSim):
+    def __init__(self, sim, rank: int):
+        super().__init__(sim, rank)
+        # program-order issue: tickets handed out by the host, served in order
+        self.tickets_given = 0
+        self.tickets_served = 0
+        self.ticket_waiters: dict[int, simpy.Event] = {}
+
+    def issue_device(self, op: O.DeviceOp):
+        if isinstance(op, O.Collective):
+            ticket = self.tickets_given
+            self.tickets_given += 1
+            yield from self._enqueue(op, ticket)
+        else:
+            yield from self._run_on_host(op)
+
+    def kernel(self, op: O.Compute | O.Copy):
+        # A copy is the rank's thread at work too, like a kernel. On time-sliced cores
+        # the cores are shared instead of kernels being slowed by a factor.
+        if isinstance(op, O.Compute):
+            dur = self._compute_ns(op, comm_slowed=self.cpu is None)
+        else:
+            dur = self._speed(self.cost.copy_ns(op))
+        if self.cpu is not None:
+            yield from self._on_core(dur)
+        else:
+            yield from self._timed_on_node(dur)
+
+    def _run_on_host(self, op: O.Compute | O.Copy):
+        """The kernel runs on the host thread once its inputs are ready."""
+        env = self.env
+        issued = env.now
+        prev = self.last_issued.get(op.stream)  # stream order: after the stream's previous op
+        yield from self._host_waits(op.deps + ((self._last_id[op.stream],) if prev is not None else ()))
+        start = env.now
+        yield from self.kernel(op)
+        done = env.event()
+        self.done[op.id] = done
+        self._issued(op, done)
+        r = OpRecord(self.rank, op.stream, op, issued, start, env.now, 0, None, start)
+        self.record_of[op.id] = r
+        if self.sim.config.keep_trace:
+            self.result.records.append(r)
+        done.succeed(op.id)
+
+    def await_ticket(self, ticket: int):
+        """A collective goes to the backend only after every collective the host issued
+        before it (on any stream) went: gloo matches a group's collectives by the order
+        of their calls, so the executor hands them over in program order (and a
+        framework's single Python thread calls them so), and a collective whose inputs
+        are ready waits while an earlier one waits for its own."""
+        if self.tickets_served != ticket:
+            ev = self.ticket_waiters[ticket] = self.env.event()
+            yield ev
+        assert self.tickets_served == ticket
+        self.tickets_served += 1
+        nxt = self.ticket_waiters.pop(self.tickets_served, None)
+        if nxt is not None:
+            nxt.succeed()

@@ -1,0 +1,416 @@
+"""One simulated rank: what a GPU rank and a CPU rank share.
+
+A rank has a **host** process that issues its program in order and one process per
+**stream** that runs the ops queued on it in issue order once their deps are done:
+
+* host work advances the host's own clock (the simulation waits for it once, before
+  the next op that touches the device or the allocator);
+* a host sync blocks until its ops / stream / every stream are done;
+* allocations go to the rank's allocator model (``allocator.CachingAllocator``): on a
+  caching-allocator platform a miss maps a segment (cudaMalloc synchronises the
+  device first) and a miss with no room flushes the cache, waiting for the whole
+  device; on a malloc platform every allocation pays the measured price by size, and
+  the block bookkeeping still gives the peaks;
+* a free returns the block once every other stream that used it has passed the free
+  (``record_stream``);
+* a collective starts when every simulated member of its group has reached it.
+
+How device ops are issued and kernels are run is the platform's: ``GpuRank`` queues
+them on streams (``gpu_rank``), ``CpuRank`` runs kernels on the host thread and hands
+collectives to the backend in program order (``cpu_rank``). Times are integer ns.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from math import exp, sqrt
+from typing import TYPE_CHECKING
+
+import simpy
+
+from commsim.ir import ops as O
+from commsim.sim.allocator import Block, CachingAllocator, OutOfMemory
+from commsim.sim.cpu_scheduler import CpuScheduler, CpuThread
+from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, stall_kind
+
+if TYPE_CHECKING:
+    from commsim.sim.engine import Simulator
+
+
+class RankSim:
+    """One simulated rank: its host process, stream processes and allocator."""
+
+    def __init__(self, sim: "Simulator", rank: int):
+        self.sim = sim
+        self.env = sim.env
+        self.cost = sim.cost
+        self.platform = sim.cost.platform
+        self.rank = rank
+        self.program = sim.schedule.program_of(rank)
+        self.result = RankResult(rank)
+        self.alloc = CachingAllocator(sim.cost.hbm_bytes)
+        self.result.allocator = self.alloc
+        self.done: dict[O.OpId, simpy.Event] = {}
+        self.queues: dict[str, deque] = {}
+        self.wakeups: dict[str, simpy.Event | None] = {}
+        self.space: dict[str, simpy.Event | None] = {}
+        self.last_issued: dict[str, simpy.Event] = {}
+        self._last_id: dict[str, O.OpId] = {}
+        self.blocks: dict[str, Block] = {}
+        self.block_stream: dict[str, str] = {}
+        self.buffer_streams: dict[str, set[str]] = {}
+        self.active_comm = 0
+        self.coll_seq: dict[tuple[int, ...], int] = {}
+        self.record_of: dict[O.OpId, OpRecord] = {}
+        self.rng = random.Random(sim.config.seed * 1_000_003 + rank)
+        self.node = sim.cost.node_of(rank)
+        self.jitter = sim.jitter
+        self.noise_sd, self.noise_corr_ns = sim.rank_noise
+        self.noise_x = self.rng.gauss(0.0, self.noise_sd) if self.noise_sd else 0.0
+        self.noise_t = 0
+        self.finished_issuing = False
+        self.stream_comm = sim.stream_comm(self.program)
+        # the node's time-sliced cores, when the simulator runs the OS scheduler (CPU
+        # platforms with more ranks than cores); None: the host thread needs no core
+        self.cpu: CpuScheduler | None = sim.cpus.get(self.node)
+        self.thread = CpuThread()
+
+    # ------------------------------------------------------------ setup
+    def run_setup(self) -> None:
+        for op in self.program.setup:
+            res = self.alloc.malloc(op.size_bytes, op.stream)
+            if res is None:
+                res = self.alloc.malloc_after_flush(op.size_bytes, op.stream)
+            self.blocks[op.buffer] = res.block
+            self.block_stream[op.buffer] = op.stream
+            self.buffer_streams[op.buffer] = set()
+
+    def adopt_memory(self, warm: "RankSim") -> None:
+        """Start from another rank's allocator state (a warm-up already simulated)."""
+        alloc, mapping = warm.alloc.clone()
+        self.alloc = alloc
+        self.blocks = {b: mapping[blk] for b, blk in warm.blocks.items()}
+        self.block_stream = dict(warm.block_stream)
+        self.result.allocator = alloc
+        self.buffer_streams = {b: set() for b in self.blocks}
+
+    # ------------------------------------------------------------ host
+    def host(self, warmup_steps: int):
+        env = self.env
+        for step in range(warmup_steps + 1):
+            if step == warmup_steps:
+                # Step boundary: everything of the previous step has finished.
+                pending = [e for e in self.last_issued.values() if not e.processed]
+                if pending:
+                    yield from self._block(pending)
+                self.result.start_ns = env.now
+                self.result.clear()
+                stats = self.alloc.stats
+                stats.peak_allocated_bytes = stats.allocated_bytes
+                stats.peak_reserved_bytes = stats.reserved_bytes
+                stats.num_alloc_retries = 0
+            yield from self._issue_step()
+        if self.cpu is not None:
+            self.cpu.release(self.thread)
+        self.finished_issuing = True
+        for stream, w in list(self.wakeups.items()):
+            if w is not None:
+                self.wakeups[stream] = None
+                w.succeed()
+
+    def _issue_step(self):
+        env = self.env
+        rec = self.sim.config.keep_trace
+        # Host work only advances the host's own clock; the simulation waits for it once,
+        # before the next op that interacts with the device or the allocator.
+        host_t = env.now
+        issue_ns = self.cost.issue_ns
+        for op in self.program.step:
+            if issue_ns and isinstance(op, O.DEVICE_OP_TYPES):
+                host_t += issue_ns  # the host's own cost of handing the op to its stream
+            if isinstance(op, O.HostWork):
+                if self.cpu is not None:  # the host thread needs a core for it
+                    yield from self._spend(host_t - env.now)
+                    t0 = env.now
+                    yield from self._spend(op.duration_ns)
+                    if rec:
+                        self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
+                    host_t = env.now
+                    continue
+                if rec:
+                    self.result.records.append(OpRecord(self.rank, HOST, op, host_t, host_t, host_t + op.duration_ns))
+                host_t += op.duration_ns
+                continue
+            if host_t > env.now:
+                yield from self._spend(host_t - env.now)
+            t0 = env.now
+            if isinstance(op, O.HostSync):
+                evs = self._sync_events(op)
+                pending = [e for e in evs if not e.processed]
+                if pending:
+                    yield from self._block(pending)
+                if env.now > t0:
+                    self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(evs)))
+                if rec:
+                    self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
+            elif isinstance(op, O.Alloc):
+                yield from self._malloc(op)
+                if rec:
+                    self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
+            elif isinstance(op, O.Free):
+                self._free(op)
+            else:
+                yield from self.issue_device(op)
+            host_t = env.now
+        if host_t > env.now:
+            yield from self._spend(host_t - env.now)
+
+    def issue_device(self, op: O.DeviceOp):
+        """Hand a device op to the platform: queue it (GPU) or run it (CPU). A generator."""
+        raise NotImplementedError
+
+    def kernel(self, op: O.Compute | O.Copy):
+        """Run a compute or copy op now, for its platform's time. A generator."""
+        raise NotImplementedError
+
+    def _enqueue(self, op: O.DeviceOp, ticket: int | None = None):
+        """Queue a device op on its stream; the host blocks while the stream already holds
+        ``launch_queue_depth`` pending ops (CUDA's bounded launch queue)."""
+        env = self.env
+        t0 = env.now
+        stream = op.stream
+        q = self.queues.get(stream)
+        if q is None:
+            self._start_stream(stream)
+            q = self.queues[stream]
+        while len(q) >= self.sim.config.launch_queue_depth:
+            ev = env.event()
+            self.space[stream] = ev
+            yield ev
+        if env.now > t0:
+            self.result.host_blocks.append(HostBlock(t0, env.now, "launch_queue"))
+        done = env.event()
+        self.done[op.id] = done
+        self._issued(op, done)
+        q.append((op, env.now, ticket))
+        w = self.wakeups.get(stream)
+        if w is not None:
+            self.wakeups[stream] = None
+            w.succeed()
+
+    def _issued(self, op: O.DeviceOp, done: simpy.Event) -> None:
+        """``op`` is now its stream's last: later syncs and frees wait for ``done``."""
+        self.last_issued[op.stream] = done
+        self._last_id[op.stream] = op.id
+        for b in op.buffers:
+            bs = self.buffer_streams.get(b)
+            if bs is not None:
+                bs.add(op.stream)
+
+    def _spend(self, ns: int):
+        """The host thread's own time: on a scheduled CPU it needs a core for it."""
+        if ns <= 0:
+            return
+        if self.cpu is None:
+            yield self.env.timeout(ns)
+        else:
+            yield from self.cpu.run(self.thread, ns)
+
+    def _block(self, pending: list[simpy.Event]):
+        """The host thread waits for events: on a scheduled CPU it gives its core up."""
+        if self.cpu is not None:
+            self.cpu.release(self.thread)
+        yield simpy.AllOf(self.env, pending)
+
+    def _on_core(self, measured_ns: int):
+        """Host-thread work of a measured cost: on a scheduled CPU, one core's worth of it
+        run by the scheduler (costs were measured with every rank busy); else its time."""
+        if self.cpu is None:
+            yield self.env.timeout(measured_ns)
+        else:
+            yield from self.cpu.run(self.thread, self.sim.core_work_ns(measured_ns))
+
+    def _speed(self, dur: int) -> int:
+        """A duration scaled by the rank's speed now: the OU process advanced from its
+        last sample, exp(x - sd^2/2) so that its mean factor is 1."""
+        if not self.noise_sd:
+            return dur
+        dt = self.env.now - self.noise_t
+        self.noise_t = self.env.now
+        if dt:
+            rho = exp(-dt / self.noise_corr_ns)
+            self.noise_x = self.noise_x * rho + self.noise_sd * sqrt(1.0 - rho * rho) * self.rng.gauss(0.0, 1.0)
+        return max(1, int(dur * exp(self.noise_x - self.noise_sd ** 2 / 2)))
+
+    def _compute_ns(self, op: O.Compute, comm_slowed: bool) -> int:
+        """A kernel's time: its cost, slowed while this rank communicates (when the
+        platform shares the device that way), jittered, scaled by the rank's speed."""
+        dur = self.cost.compute_ns(op)
+        if comm_slowed and self.active_comm:
+            dur = int(dur * self.cost.comm_slowdown)
+        if self.jitter:
+            dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
+        return self._speed(dur)
+
+    def _timed_on_node(self, dur: int):
+        """``dur`` of work that slows the node's links while it runs."""
+        self.sim.compute_started(self.node)
+        yield self.env.timeout(dur)
+        self.sim.compute_ended(self.node)
+
+    # ------------------------------------------------------------ syncs
+    def _sync_events(self, op: O.HostSync) -> list[simpy.Event]:
+        if op.scope is O.SyncScope.OPS:
+            return [self.done[d] for d in op.deps]
+        if op.scope is O.SyncScope.STREAM:
+            e = self.last_issued.get(op.stream)
+            return [e] if e is not None else []
+        return list(self.last_issued.values())
+
+    def _host_waits(self, deps: tuple[O.OpId, ...]):
+        env = self.env
+        evs = [self.done[d] for d in deps]
+        pending = [e for e in evs if not e.processed]
+        if pending:
+            t0 = env.now
+            yield from self._block(pending)
+            if env.now > t0:
+                self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(evs)))
+
+    def _sync_reason(self, evs: list[simpy.Event]) -> str:
+        """The kind of the awaited op that finished last: what the host really waited on."""
+        last = None
+        for e in evs:
+            r = self.record_of.get(e.value) if e.ok else None
+            if r is not None and (last is None or r.end_ns > last.end_ns):
+                last = r
+        if last is None:
+            return "sync"
+        if not isinstance(last.op, O.Collective) and last.stream in self.stream_comm:
+            return self.stream_comm[last.stream]
+        return stall_kind(last.op)
+
+    # ------------------------------------------------------------ memory
+    def _malloc(self, op: O.Alloc):
+        env, cost, platform = self.env, self.cost, self.platform
+        res = self.alloc.malloc(op.size_bytes, op.stream)
+        t0 = env.now
+        if res is None:
+            # Flush: synchronise every stream, free all entirely free segments, retry.
+            self.result.flush_times_ns.append(t0)
+            pending = [e for e in self.last_issued.values() if not e.processed]
+            if pending:
+                yield from self._block(pending)  # deferred frees return as their events fire
+            try:
+                res = self.alloc.malloc_after_flush(op.size_bytes, op.stream)
+            except OutOfMemory as e:
+                self.sim.out_of_memory(f"rank {self.rank}: {e} at `{op.label}` ({op.buffer})")
+                yield env.event()  # the simulation stops; this never resumes
+                return
+            delay = sum(cost.free_base_ns + int(cost.free_ns_per_byte * s) for s in res.freed_segment_bytes)
+            delay += cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes)
+            yield env.timeout(delay)
+            self.result.host_blocks.append(HostBlock(t0, env.now, "allocator_flush"))
+        elif res.new_segment_bytes and platform.caching_allocator:
+            # cudaMalloc synchronises the device (allocator.md), then maps the segment.
+            pending = [e for e in self.last_issued.values() if not e.processed]
+            if pending and platform.malloc_syncs_device:
+                yield simpy.AllOf(env, pending)
+            yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes))
+            self.result.host_blocks.append(HostBlock(t0, env.now, "allocator"))
+        elif not platform.caching_allocator:
+            # host malloc, every time (the block bookkeeping still gives peaks): priced by
+            # size where the profile measured it (heap reuse vs fresh mmapped pages)
+            yield from self._on_core(cost.host_malloc_ns(op.size_bytes, op.touch_bytes))
+        else:
+            yield env.timeout(self.sim.config.alloc_hit_ns)
+        self.blocks[op.buffer] = res.block
+        self.block_stream[op.buffer] = op.stream
+        self.buffer_streams[op.buffer] = set()
+        st = self.alloc.stats
+        self.result.memory_samples.append((env.now, st.allocated_bytes, st.reserved_bytes))
+
+    def _free(self, op: O.Free) -> None:
+        block = self.blocks.pop(op.buffer)
+        home = self.block_stream.pop(op.buffer)
+        # record_stream: the block returns once every other stream that used it has
+        # passed this point (an event recorded on each at free time).
+        evs = [self.last_issued[s] for s in self.buffer_streams.pop(op.buffer, ()) if s != home
+               and s in self.last_issued and not self.last_issued[s].processed]
+        if evs:
+            left = [len(evs)]
+
+            def one_done(_ev: simpy.Event, block: Block = block, left: list[int] = left) -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    self.alloc.free(block)
+
+            for e in evs:
+                e.callbacks.append(one_done)
+        else:
+            self.alloc.free(block)
+        st = self.alloc.stats
+        self.result.memory_samples.append((self.env.now, st.allocated_bytes, st.reserved_bytes))
+
+    # ------------------------------------------------------------ streams
+    def _start_stream(self, stream: str) -> None:
+        self.queues[stream] = deque()
+        self.wakeups[stream] = None
+        self.space[stream] = None
+        self.env.process(self.stream_proc(stream))
+
+    def stream_proc(self, stream: str):
+        env, q = self.env, self.queues[stream]
+        rec = self.sim.config.keep_trace
+        while True:
+            if not q:
+                if self.finished_issuing:
+                    return
+                ev = env.event()
+                self.wakeups[stream] = ev
+                yield ev
+                continue
+            op, issued, ticket = q.popleft()
+            sp = self.space.get(stream)
+            if sp is not None:
+                self.space[stream] = None
+                sp.succeed()
+            last_dep = None
+            for d in op.deps:
+                e = self.done[d]
+                if not e.processed:
+                    yield e
+                    last_dep = d
+            ready = env.now
+            wait_peers = 0
+            if isinstance(op, O.Collective):
+                if ticket is not None:
+                    yield from self.await_ticket(ticket)
+                start, wait_peers = yield from self._collective(op)
+            else:
+                start = env.now
+                yield from self.kernel(op)
+            r = OpRecord(self.rank, stream, op, issued, start, env.now, wait_peers, last_dep, ready)
+            self.record_of[op.id] = r
+            if rec:
+                self.result.records.append(r)
+            self.done[op.id].succeed(op.id)
+
+    def await_ticket(self, ticket: int):
+        """A collective's turn to reach the backend (program-order platforms). A generator."""
+        raise NotImplementedError
+
+    def _collective(self, op: O.Collective):
+        """Arrive at the collective's rendezvous; returns (start, time waited for peers)."""
+        env, sim = self.env, self.sim
+        seq = self.coll_seq.get(op.group, 0)
+        self.coll_seq[op.group] = seq + 1
+        rv = sim.arrive(op, seq)
+        arrived = env.now
+        yield rv.event
+        start = rv.event.value
+        self.active_comm += 1
+        yield rv.done
+        self.active_comm -= 1
+        return start, start - arrived

@@ -1,0 +1,114 @@
+"""What a simulation produces: per-op records, host blocks, per-rank and step results.
+
+Times are integer nanoseconds. After a run they are relative to the start of the
+measured step (the first rank's); the warm-up steps before it leave no records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from commsim.ir import ops as O
+from commsim.sim.allocator import CachingAllocator
+
+HOST = "host"  # the stream name under which a rank's host ops are recorded
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    mode: str = "auto"  # "symmetric", "per-rank" or "auto"
+    seed: int = 0
+    # Relative standard deviation of compute-kernel durations per rank (None: 1% in
+    # per-rank mode, 0 in symmetric mode). Run-to-run kernel variation of about 1% is
+    # typical on datacenter GPUs; `commsim calibrate` measures it.
+    jitter: float | None = None
+    # A rank's speed drifting over time (per-rank mode): every kernel and copy of a rank
+    # is scaled by exp(x(t)), x an Ornstein-Uhlenbeck process of this standard deviation
+    # and correlation time, independent per rank. None: the platform's measured drift
+    # (``commsim calibrate`` on CPU backends), else none.
+    rank_noise_sd: float | None = None
+    rank_noise_corr_ns: int | None = None
+    launch_queue_depth: int = 1024  # CUDA's pending-launch queue holds about 1024 kernels
+    alloc_hit_ns: int = 1_000  # caching-allocator hit: about 1 us of host time (allocator.md)
+    keep_trace: bool = True
+    # Steps simulated before the measured one, so the caching allocator starts the
+    # measured step warm, as in steady-state training.
+    warmup_steps: int = 1
+
+
+@dataclass(slots=True)
+class OpRecord:
+    rank: int
+    stream: str
+    op: O.Op
+    issue_ns: int
+    start_ns: int
+    end_ns: int
+    wait_peers_ns: int = 0  # collective: time waiting for the slowest member
+    last_dep: O.OpId | None = None  # which dep finished last (None: none, or issue was last)
+    ready_ns: int = 0  # when deps and stream order allowed it to start
+
+
+@dataclass(slots=True)
+class HostBlock:
+    """An interval in which the host was blocked, and why."""
+
+    start_ns: int
+    end_ns: int
+    reason: str
+
+
+@dataclass
+class RankResult:
+    rank: int
+    start_ns: int = 0  # when the measured step began on this rank
+    records: list[OpRecord] = field(default_factory=list)
+    host_blocks: list[HostBlock] = field(default_factory=list)
+    end_ns: int = 0
+    allocator: CachingAllocator | None = None
+    flush_times_ns: list[int] = field(default_factory=list)
+    memory_samples: list[tuple[int, int, int]] = field(default_factory=list)  # (t, allocated, reserved)
+
+    def clear(self) -> None:
+        """Forget the warm-up: the measured step starts now."""
+        self.records.clear()
+        self.host_blocks.clear()
+        self.flush_times_ns.clear()
+        self.memory_samples.clear()
+
+    def shift(self, t0: int) -> None:
+        """Times relative to ``t0`` (the measured step's start)."""
+        for r in self.records:
+            r.issue_ns -= t0
+            r.start_ns -= t0
+            r.end_ns -= t0
+            r.ready_ns -= t0
+        for hb in self.host_blocks:
+            hb.start_ns -= t0
+            hb.end_ns -= t0
+        self.flush_times_ns = [t - t0 for t in self.flush_times_ns]
+        self.memory_samples = [(t - t0, a, b) for t, a, b in self.memory_samples]
+        self.start_ns -= t0
+
+
+@dataclass
+class SimResult:
+    mode: str
+    ranks: dict[int, RankResult]
+    step_time_ns: int
+    oom: str | None = None
+    seed: int = 0
+    jitter: float = 0.0
+    cpu_sharing: str = ""  # with more ranks than cores: how the simulated scheduler shared them
+    rank_noise: tuple[float, int] = (0.0, 0)  # (sd, correlation ns) of the ranks' speed drift
+    step_samples_ns: tuple[int, ...] = ()  # with rank noise: every seeded step's time (median chosen)
+
+
+def stall_kind(op: O.Op) -> str:
+    """What a host or stream waiting on ``op`` waits on, as a stall cause."""
+    if isinstance(op, O.Collective):
+        return {O.CollectiveKind.ALL_GATHER: "all_gather", O.CollectiveKind.REDUCE_SCATTER: "reduce_scatter"}.get(
+            op.kind, "other_comm")
+    if isinstance(op, O.Copy):
+        return "copy"
+    return "sync"
