@@ -36,7 +36,9 @@ from commsim.hardware.noise import fit_rank_noise
 from commsim.hardware.profile import PROFILE_SCHEMA_VERSION
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
-from runtime.executor import RankExecutor, RankOptions, _all_gather, _Kernels, _reduce_scatter
+from runtime.collectives import all_gather as _all_gather, reduce_scatter as _reduce_scatter
+from runtime.executor import RankExecutor, RankOptions
+from runtime.kernels import Kernels as _Kernels
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
