@@ -18,12 +18,16 @@ Measured:
 * allocation cost by size, in a step-like steady state (heap reuse vs fresh pages),
   and on CPUs what the first write of a fresh page costs;
 * on CPUs, the cores and, with more ranks than cores, the OS time slice; with at most
-  one rank per core, how each rank's speed drifts apart from the others'.
+  one rank per core, how each rank's speed drifts apart from the others'
+  (``runtime.calibrate_cpu``).
+
+``Calibrator.run`` runs them all, in a fixed order, and returns the profile document
+(``runtime.calibrate_profile``). Which of them apply, and how memory is allocated and
+kernels waited for, follows the backend's platform (``commsim.hardware.platform``).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 import time
@@ -32,42 +36,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from commsim.hardware.noise import fit_rank_noise
-from commsim.hardware.profile import PROFILE_SCHEMA_VERSION
+from commsim.hardware.platform import KernelExecution, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
-from runtime.executor import RankExecutor, RankOptions, _all_gather, _Kernels, _reduce_scatter
+from runtime.calibrate_cpu import cpu_cores, rank_noise, time_slice
+from runtime.calibrate_profile import Measured, profile_document
+from runtime.collectives import all_gather, reduce_scatter
+from runtime.executor import RankExecutor, RankOptions
+from runtime.kernels import Kernels, default_precision, device_of
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-
-
-def _timeit(fn: Callable[[], Any], min_s: float, sync: Callable[[], None]) -> float:
-    """Median seconds per call over repeated batches lasting at least ``min_s`` in all."""
-    fn()
-    sync()
-    times = []
-    t_end = time.perf_counter() + min_s
-    while time.perf_counter() < t_end or len(times) < 3:
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares time = a + bytes / bw; returns (a seconds, bw bytes/s)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    sxy = sum((x - mx) * (y - my) for x, y in points)
-    slope = sxy / sxx if sxx else 0.0
-    a = max(0.0, my - slope * mx)
-    if slope <= 0:  # flat: bandwidth from the largest point alone
-        x, y = max(points)
-        slope = max(y - a, 1e-12) / x
-    return a, 1.0 / slope
 
 
 def _latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -80,26 +58,31 @@ def _latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]
 
 
 class Calibrator:
+    """One rank's calibration: the benchmarks, each run on every rank at once with the
+    executor's own kernels and backend (``run`` runs them all)."""
+
     def __init__(self, rank: int, world: int, backend: str, quick: bool = False, log: Callable[[str], None] = print,
                  shapes: tuple[tuple[str, int, int, int, int], ...] = (), ranks_per_node: int | None = None):
         self.rank, self.world, self.backend = rank, world, backend
         self.ranks_per_node = ranks_per_node or world
         self.shapes = shapes  # (dtype, m, n, k, batch) of the GEMMs some schedules will run
-        self.gpu = backend == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
-        self.dtype = torch.bfloat16 if self.gpu else torch.float32
-        self.kernels = _Kernels(self.device, self.dtype)
-        self._shape_kernels: dict[str, _Kernels] = {}
+        self.platform = platform_of_backend(backend)
+        self.device = device_of(self.platform)
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[default_precision(self.platform)]
+        self.kernels = Kernels(self.device, self.dtype)
+        self._shape_kernels: dict[str, Kernels] = {}
         self._shape_times: dict[tuple[str, int, int, int, int], list[float]] = {}
         self.min_s = 0.05 if quick else 0.2
         self.quick = quick
         self.log = log if rank == 0 else (lambda _m: None)
 
     def sync(self) -> None:
-        if self.gpu:
+        """Wait for the kernels this rank queued (none are where they run inline)."""
+        if self.platform.kernels is KernelExecution.QUEUED:
             torch.cuda.synchronize(self.device)
 
-    def _agree(self, x: float) -> float:
+    def agree(self, x: float) -> float:
+        """The largest of every rank's ``x``."""
         out = torch.tensor([x], dtype=torch.float64)
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
         return float(out.item())
@@ -111,14 +94,13 @@ class Calibrator:
         The mean, not the median: with more ranks than cores, the OS time-slices them in
         slices of milliseconds, so a call shorter than a slice usually runs at a whole
         core's speed and now and then waits out another rank's slice. The median keeps
-        only the fast calls; the mean is what such calls cost on average in a step. (On
-        the development machine, 4 ranks on 2 cores: the median priced memory-bound
-        kernels and copies at under half what the executor then measured.)"""
+        only the fast calls; the mean is what such calls cost on average in a step (the
+        median underpriced memory-bound kernels and copies; traces/README.md)."""
         dist.barrier()
         t = time.perf_counter()
         fn()
         self.sync()
-        first = self._agree(time.perf_counter() - t)
+        first = self.agree(time.perf_counter() - t)
         reps = int(min(200, max(3, self.min_s / max(first, 1e-7))))
         times = []
         for _ in range(reps):
@@ -126,20 +108,21 @@ class Calibrator:
             fn()
             self.sync()
             times.append(time.perf_counter() - t)
-        return self._agree(statistics.fmean(times))
+        return self.agree(statistics.fmean(times))
 
     # ------------------------------------------------------------ compute
     def gemm(self, dtype: torch.dtype) -> list[list[float]]:
         sizes = [16, 32, 64, 128, 256, 512] if self.quick else [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024]
-        if dtype == torch.bfloat16 and not self.gpu:
-            # slow on CPUs without bf16 units (2 GFLOP/s on the development machine: a
-            # batched 512^3 took a second a call); the curve is flat well before these sizes
+        cpu_bf16 = dtype == torch.bfloat16 and self.platform.inline_kernels
+        if cpu_bf16:
+            # slow on CPUs without bf16 units (a large batched GEMM takes seconds); the
+            # curve is flat well before these sizes
             sizes = [s for s in sizes if s <= (128 if self.quick else 256)]
-        kernels = _Kernels(self.device, dtype)
+        kernels = Kernels(self.device, dtype)
         # square matmuls, batched ones, and the tall-and-skinny shapes of transformer
         # layers (tokens x hidden x 4*hidden and their gradients)
         shapes = [(n, n, n, b) for n in sizes for b in (1, 8)]
-        if not self.quick and not (dtype == torch.bfloat16 and not self.gpu):
+        if not self.quick and not cpu_bf16:
             shapes += [(t, 4 * h, h, 1) for t in (256, 1024) for h in (256, 512)]
             shapes += [(4 * h, h, t, 1) for t in (256, 1024) for h in (256, 512)]
         points = []
@@ -160,12 +143,12 @@ class Calibrator:
     def gemm_shapes_round(self) -> None:
         """Time each exact GEMM shape of the schedules given (``calibrate --schedule``)
         once more, on all ranks at once like every other benchmark: a rate by flops
-        alone misses how a shape uses caches (a 512 x 8000 x 512 LM head and a batched
-        768^3 have similar flops and ran at rates 2x apart on the development machine)."""
+        alone misses how a shape uses caches (an LM head's long, thin GEMM and a batched
+        square one of similar flops run at very different rates)."""
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         for shape in self.shapes:
             dt, m, n, k, batch = shape
-            kernels = self._shape_kernels.setdefault(dt, _Kernels(self.device, dtypes[dt]))
+            kernels = self._shape_kernels.setdefault(dt, Kernels(self.device, dtypes[dt]))
             op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * m * n * k * batch, 0, 0, O.GemmShape(m, n, k, batch))
             t = self._together(lambda op=op, kernels=kernels: kernels.run(op))
             self._shape_times.setdefault(shape, []).append(t)
@@ -173,10 +156,8 @@ class Calibrator:
     def gemm_shapes(self) -> dict[str, list[list[float]]]:
         """Each exact shape's rate from the mean of its rounds. The rounds lie apart (at
         the start, the middle and the end of a calibration): on a shared machine a
-        kernel's speed drifts over seconds (the same 512^3 GEMM measured 38, 46 and 54
-        GFLOP/s in three calibrations a minute apart on the development VM), and a
-        step's GEMMs run across all of it, so one short window misprices all of them
-        at once."""
+        kernel's speed drifts over seconds (traces/README.md, runs M to P), and a step's
+        GEMMs run across all of it, so one short window misprices all of them at once."""
         out: dict[str, list[list[float]]] = {}
         for (dt, m, n, k, batch), times in self._shape_times.items():
             out.setdefault(dt, []).append([m, n, k, batch, 2 * m * n * k * batch / statistics.fmean(times)])
@@ -188,7 +169,7 @@ class Calibrator:
     def memory(self) -> tuple[float, float, list[list[float]]]:
         """Memory-bound kernels by size (a table), as the executor runs them: each call on
         the next region of a ring larger than the last-level cache, so its data comes
-        from memory, as a step's tensors do (``_Kernels``); below a few MiB the cost is
+        from memory, as a step's tensors do (``Kernels``); below a few MiB the cost is
         mostly the call's fixed overhead and the cold cache lines' latency."""
         sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20] + ([] if self.quick else [32 << 20, 128 << 20])
         pts = []
@@ -207,9 +188,9 @@ class Calibrator:
         buf = torch.ones(n, dtype=torch.float32, device=self.device)
         shard = torch.ones(n // p, dtype=torch.float32, device=self.device)
         if kind == "all_gather":
-            return lambda: _all_gather(buf, shard)
+            return lambda: all_gather(buf, shard)
         if kind == "reduce_scatter":
-            return lambda: _reduce_scatter(shard, buf)
+            return lambda: reduce_scatter(shard, buf)
         if kind == "all_reduce":
             return lambda: dist.all_reduce(buf)
         return lambda: dist.broadcast(buf, src=0)
@@ -235,8 +216,8 @@ class Calibrator:
         whose time is mostly bandwidth, and a 64 KiB all-gather, whose time is mostly
         latency. On a CPU backend the collective's own thread then competes for the core
         with the rank's kernels, and a small collective waits for the scheduler at every
-        message of its protocol: on the development machine a 64 KiB all-gather took 1.3-4x
-        its time alone, the bandwidth of a large one about 1.8x."""
+        message of its protocol, so its latency suffers more than a large one's
+        bandwidth."""
         n = 256 if self.quick else 384
         op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * n ** 3 * 4, 0, 0, O.GemmShape(n, n, n, 4))
         compute_alone = self._together(lambda: self.kernels.run(op))
@@ -279,72 +260,6 @@ class Calibrator:
         dist.all_reduce(res, op=dist.ReduceOp.MAX)
         return max(1.0, float(res[0])), max(1.0, float(res[1]))
 
-    # ------------------------------------------------------------ ranks drifting apart
-    def rank_noise(self, cores: int) -> dict[str, float] | None:
-        """How each rank's speed drifts on its own (CPU backends, at most one rank per
-        core): every rank runs the same GEMM back to back for a few seconds; the mean log
-        time over the median, in 10 ms bins, is gathered and fitted as an OU process
-        (commsim.hardware.noise). None on GPUs (kernel times vary by ~1%, the simulator's
-        default jitter) and with more ranks than cores (the simulated time slicing is
-        that noise)."""
-        if self.gpu or self.ranks_per_node > cores:
-            return None
-        bin_ns = 10_000_000
-        span_ns = 2_000_000_000 if self.quick else 4_000_000_000
-        op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * 256 ** 3, 0, 0, O.GemmShape(256, 256, 256, 1))
-        for _ in range(10):
-            self.kernels.run(op)
-        starts, times = [], []
-        dist.barrier()
-        t0 = time.perf_counter_ns()
-        while True:
-            t = time.perf_counter_ns()
-            if t - t0 >= span_ns:
-                break
-            self.kernels.run(op)
-            starts.append(t - t0)
-            times.append(time.perf_counter_ns() - t)
-        med = statistics.median(times)
-        nbins = span_ns // bin_ns
-        sums, counts = [0.0] * nbins, [0] * nbins
-        for st, dt in zip(starts, times):
-            b = min(st // bin_ns, nbins - 1)
-            sums[b] += math.log(dt / med)
-            counts[b] += 1
-        series, last = [], 0.0
-        for sm, c in zip(sums, counts):
-            last = sm / c if c else last  # a bin with no kernel start (descheduled): the previous
-            series.append(last)
-        mine = torch.tensor(series, dtype=torch.float64)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine)
-        sd, corr_ns = fit_rank_noise([e.tolist() for e in every], bin_ns)
-        self.log(f"ranks' speed drift: sd {sd:.1%}, correlation {corr_ns / 1e6:.0f} ms "
-                 f"({len(times)} GEMMs of {med / 1e6:.2f} ms on rank 0)")
-        return {"sd": sd, "corr_ns": corr_ns}
-
-    # ------------------------------------------------------------ the OS scheduler
-    def time_slice(self, cores: int) -> int | None:
-        """With more ranks than cores (CPU backends), how long the OS lets a rank run
-        before another takes its core: every rank spins, noting each jump of its clock
-        (a time it did not run); the median stretch between jumps is the slice."""
-        if self.gpu or self.world <= cores:
-            return None
-        runs: list[int] = []
-        dist.barrier()
-        last = start = time.perf_counter_ns()
-        end = last + (300_000_000 if self.quick else 1_000_000_000)
-        while last < end:
-            now = time.perf_counter_ns()
-            if now - last > 200_000:  # descheduled: far longer than a loop iteration
-                runs.append(last - start)
-                start = now
-            last = now
-        med = statistics.median(runs[1:]) if len(runs) > 2 else 0
-        slice_ns = int(self._agree(float(med)))
-        self.log(f"OS time slice: {slice_ns / 1e6:.2f} ms ({self.world} ranks on {cores} cores)")
-        return slice_ns or None
-
     # ------------------------------------------------------------ executor costs
     def executor_overheads(self) -> tuple[int, int]:
         """(host ns to issue a device op, per-op overhead ns) of the executor itself."""
@@ -370,15 +285,15 @@ class Calibrator:
         """Allocations as the executor makes them (on CPUs: zeroed host memory), in a
         steady state like a training step's: each round allocates every size in turn,
         holds them all, then frees them. Returns the latency-bandwidth line and the
-        per-size table. On GPUs the cache is emptied between rounds, so each round times
-        cudaMalloc itself (what a cache miss costs). On CPUs the table matters: glibc
-        reuses heap pages below its mmap threshold (up to 32 MiB) and maps fresh ones
-        above it, so the cost per byte jumps about 6x across it; sizes on both sides of
-        32 MiB are measured."""
+        per-size table. With a caching allocator (GPUs) the cache is emptied between
+        rounds, so each round times cudaMalloc itself (what a cache miss costs). With
+        malloc (CPUs) the table matters: glibc reuses heap pages below its mmap threshold
+        (up to 32 MiB) and maps fresh ones above it, so the cost per byte jumps across
+        it; sizes on both sides of 32 MiB are measured."""
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 30 << 20, 34 << 20, 64 << 20]
         if self.quick:
             sizes = [4 << 10, 1 << 20, 16 << 20, 34 << 20]
-        if self.gpu:
+        if self.platform.caching_allocator:
             make = (lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
         else:
             make = (lambda n: torch.zeros(n, dtype=torch.uint8))
@@ -394,7 +309,7 @@ class Calibrator:
                 if r:  # the first round warms the heap up
                     times[n].append(time.perf_counter() - t)
             del live
-            if self.gpu:  # each round's allocations are cudaMalloc calls, not cache hits
+            if self.platform.caching_allocator:  # each round's allocations are cudaMalloc calls, not cache hits
                 self.sync()
                 torch.cuda.empty_cache()
         mean = torch.tensor([statistics.fmean(times[n]) for n in sizes], dtype=torch.float64)  # see _together
@@ -410,9 +325,9 @@ class Calibrator:
         threshold is fresh pages: ``torch.empty`` costs nothing until it is written,
         then each page faults and the kernel zeroes it. Frameworks allocate such
         blocks and write only part of them (DeepSpeed's gradient bucket). Measured
-        as fill(empty(n)) - fill again + free, n = 64 MiB. GPUs: 0 (device memory
-        is mapped whole by cudaMalloc)."""
-        if self.gpu:
+        as fill(empty(n)) - fill again + free, n = 64 MiB. With a caching allocator
+        (GPUs): 0 (device memory is mapped whole by cudaMalloc)."""
+        if self.platform.caching_allocator:
             return 0.0
         n = 64 << 20
         rounds = 3 if self.quick else 6
@@ -436,9 +351,10 @@ class Calibrator:
 
     # ------------------------------------------------------------ all
     def run(self) -> dict[str, Any]:
+        """Every benchmark, in an order that spreads the exact GEMM shapes' rounds over
+        the calibration; returns the profile document."""
         t0 = time.perf_counter()
         gemm_by_dtype = {"fp32": self.gemm(torch.float32), "bf16": self.gemm(torch.bfloat16)}
-        gemm = gemm_by_dtype["bf16" if self.gpu else "fp32"]
         self.gemm_shapes_round()  # exact shapes: at the start, the middle and the end (not quick)
         mem_a, mem_bw, mem_points = self.memory()
         colls = self.collectives()
@@ -451,61 +367,14 @@ class Calibrator:
         if not self.quick:
             self.gemm_shapes_round()
         shapes = self.gemm_shapes()
-        cores = _cpu_cores()
-        slice_ns = self.time_slice(cores)
-        noise = self.rank_noise(cores)
-        mem_total = torch.cuda.get_device_properties(self.device).total_memory if self.gpu else _host_memory()
+        cores = cpu_cores()
+        slice_ns = time_slice(self, cores)
+        noise = rank_noise(self, cores)
         self.log(f"calibration took {time.perf_counter() - t0:.0f} s")
-        return {
-            "kind": "commsim-hw-profile", "schema_version": PROFILE_SCHEMA_VERSION,
-            "description": f"{self.world} ranks ({self.ranks_per_node} per node), {self.backend}, "
-                           f"{_describe(self.device)}",
-            "backend": self.backend, "ranks_per_node": self.ranks_per_node, "memory_bytes": int(mem_total),
-            "kernel_overhead_ns": max(int(mem_a * 1e9), per_op_ns),
-            "issue_ns": issue_ns,
-            "gemm": gemm,
-            "gemm_by_dtype": gemm_by_dtype,
-            "default_dtype": "bf16" if self.gpu else "fp32",
-            "gemm_shapes_by_dtype": shapes,
-            "elementwise_bytes_per_s": mem_bw,
-            "elementwise_points": mem_points,
-            "copy": {"d2d_bytes_per_s": mem_bw / 2, "h2d_bytes_per_s": mem_bw / 2, "latency_ns": int(mem_a * 1e9)},
-            "collectives": colls,
-            "comm_slowdown": slow_c,
-            "comm_slowdown_during_compute": slow_n,
-            "comm_latency_slowdown_during_compute": slow_lat,
-            "caching_allocator": self.gpu,
-            **({} if self.gpu else {"cpu_cores": cores}),
-            **({"time_slice_ns": slice_ns} if slice_ns else {}),
-            **({"rank_noise": noise} if noise is not None else {}),
-            "alloc": {"malloc_base_ns": int(alloc_a * 1e9), "malloc_ns_per_byte": alloc_per_byte * 1e9,
-                      "free_base_ns": int(alloc_a * 1e9), "free_ns_per_byte": 0.0, "points": alloc_points,
-                      "first_touch_ns_per_byte": first_touch * 1e9},
-        }
-
-
-def _cpu_cores() -> int:
-    """Cores this process (and the ranks started like it) may run on."""
-    import os
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16 << 30
-
-
-def _describe(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import os
-    return f"{os.cpu_count()} CPU cores, torch {torch.__version__}"
+        measured = Measured(
+            gemm_by_dtype=gemm_by_dtype, gemm_shapes_by_dtype=shapes, mem_latency_s=mem_a, mem_bytes_per_s=mem_bw,
+            mem_points=mem_points, collectives=colls, comm_slowdown=slow_c, comm_slowdown_during_compute=slow_n,
+            comm_latency_slowdown_during_compute=slow_lat, issue_ns=issue_ns, per_op_ns=per_op_ns,
+            alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
+            first_touch_s_per_byte=first_touch, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise)
+        return profile_document(measured, self.platform, self.device, self.world, self.ranks_per_node)

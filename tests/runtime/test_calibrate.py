@@ -81,6 +81,31 @@ def test_calibrate_and_execute_under_torchrun(tmp_path):
     assert t.meta.source is TraceSource.MEASURED and {r.rank for r in t.records} == {0, 1}
 
 
+def test_the_profile_document_follows_the_platform():
+    """What a calibration writes about how the machine runs comes from its platform:
+    the memory model, the default precision (and so which GEMM curve is the default),
+    and the CPU-only cores, time slice and drift."""
+    import torch
+
+    from commsim.hardware.platform import platform_of_backend
+    from runtime.calibrate_profile import Measured, profile_document
+
+    m = Measured(gemm_by_dtype={"fp32": [[1.0, 2.0]], "bf16": [[1.0, 3.0]]}, gemm_shapes_by_dtype={},
+                 mem_latency_s=2e-6, mem_bytes_per_s=1e10, mem_points=[[4096, 2e-6]], collectives={},
+                 comm_slowdown=1.5, comm_slowdown_during_compute=1.2, comm_latency_slowdown_during_compute=2.0,
+                 issue_ns=1000, per_op_ns=3000, alloc_latency_s=1e-6, alloc_s_per_byte=1e-10,
+                 alloc_points=[[4096, 1e-6]], first_touch_s_per_byte=2e-10, cpu_cores=2, time_slice_ns=4_000_000,
+                 rank_noise={"sd": 0.05, "corr_ns": 1e8})
+    cpu = profile_document(m, platform_of_backend("gloo"), torch.device("cpu"), 4, 4)
+    assert (cpu["caching_allocator"], cpu["default_dtype"], cpu["gemm"]) == (False, "fp32", [[1.0, 2.0]])
+    assert (cpu["cpu_cores"], cpu["time_slice_ns"], cpu["rank_noise"]) == (2, 4_000_000, m.rank_noise)
+    assert cpu["kernel_overhead_ns"] == 3000 and cpu["alloc"]["first_touch_ns_per_byte"] == 0.2
+    assert cpu["description"].startswith("4 ranks (4 per node), gloo, ")
+    gpu = profile_document(m, platform_of_backend("nccl"), torch.device("cpu"), 4, 4)
+    assert (gpu["caching_allocator"], gpu["default_dtype"], gpu["gemm"]) == (True, "bf16", [[1.0, 3.0]])
+    assert "cpu_cores" not in gpu and gpu["backend"] == "nccl"
+
+
 TRACES = sorted((ROOT / "traces" / "local-cpu").glob("*.json.gz"))
 
 

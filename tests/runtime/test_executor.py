@@ -68,9 +68,9 @@ def test_memory_bound_kernels_walk_a_ring_larger_than_the_cache():
     tensors do, and calibrate times the same kernels the same way."""
     import torch
 
-    from runtime.executor import MIN_RING_BYTES, _Kernels, last_level_cache_bytes
+    from runtime.kernels import MIN_RING_BYTES, Kernels, last_level_cache_bytes
 
-    k = _Kernels(torch.device("cpu"), torch.float32)
+    k = Kernels(torch.device("cpu"), torch.float32)
     llc = last_level_cache_bytes(torch.device("cpu"))
     assert k.ring_bytes == max(MIN_RING_BYTES, 2 * llc)
     op = O.Compute(O.OpId(1), "c", "e", O.ComputeKind.ELEMENTWISE, 0, 3000, 3000)  # 6000 bytes: 2 pages
@@ -108,14 +108,15 @@ gc.set_debug(gc.DEBUG_SAVEALL)
 run = ex.run()
 gc.collect()
 names = sorted({type(o).__name__ for o in gc.garbage})
-print(len(run.records), sum(type(o).__name__ in ("_Done", "Event", "Thread") for o in gc.garbage), names)
+print(len(run.records), sum(type(o).__name__ in ("_CpuStep", "_Done", "Event", "Thread") for o in gc.garbage), names)
 """
 
 
 def test_a_step_leaves_no_events_for_the_garbage_collector():
-    """The CPU executor's per-step helpers refer to one another; the step lets go of its
-    events and threads itself, so that the collector's passes (which run inside whatever
-    op allocates next) do not grow with the schedule: none of them is left as garbage."""
+    """A CPU step's state (its events, issuer threads and queues) is freed by reference
+    counting when the step ends, not left in a reference cycle to the garbage collector,
+    whose passes (which run inside whatever op allocates next) would grow with the
+    schedule: none of it is left as garbage."""
     import subprocess
     import sys
     from pathlib import Path

@@ -1,0 +1,99 @@
+"""What only a CPU platform's calibration measures: the cores a rank may run on, the
+OS time slice when a node has more ranks than cores, and how each rank's speed drifts
+apart from the others' when it has a core of its own.
+
+Each measurement runs on every rank at once (a collective gathers or agrees on the
+result) and returns None where it does not apply: on platforms whose kernels are queued
+on a GPU, and where the cores are not shared (time slice) or are (drift). Times in ns.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from commsim.hardware.noise import fit_rank_noise
+from commsim.ir import ops as O
+
+if TYPE_CHECKING:
+    from runtime.calibrate import Calibrator
+
+
+def cpu_cores() -> int:
+    """Cores this process (and the ranks started like it) may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def rank_noise(cal: Calibrator, cores: int) -> dict[str, float] | None:
+    """How each rank's speed drifts on its own (CPU backends, at most one rank per
+    core): every rank runs the same GEMM back to back for a few seconds; the mean log
+    time over the median, in 10 ms bins, is gathered and fitted as an OU process
+    (commsim.hardware.noise). None on GPUs (kernel times vary by ~1%, the simulator's
+    default jitter) and with more ranks than cores (the simulated time slicing is
+    that noise)."""
+    if not cal.platform.inline_kernels or cal.ranks_per_node > cores:
+        return None
+    bin_ns = 10_000_000
+    span_ns = 2_000_000_000 if cal.quick else 4_000_000_000
+    op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * 256 ** 3, 0, 0, O.GemmShape(256, 256, 256, 1))
+    for _ in range(10):
+        cal.kernels.run(op)
+    starts, times = [], []
+    dist.barrier()
+    t0 = time.perf_counter_ns()
+    while True:
+        t = time.perf_counter_ns()
+        if t - t0 >= span_ns:
+            break
+        cal.kernels.run(op)
+        starts.append(t - t0)
+        times.append(time.perf_counter_ns() - t)
+    med = statistics.median(times)
+    nbins = span_ns // bin_ns
+    sums, counts = [0.0] * nbins, [0] * nbins
+    for st, dt in zip(starts, times):
+        b = min(st // bin_ns, nbins - 1)
+        sums[b] += math.log(dt / med)
+        counts[b] += 1
+    series, last = [], 0.0
+    for sm, c in zip(sums, counts):
+        last = sm / c if c else last  # a bin with no kernel start (descheduled): the previous
+        series.append(last)
+    mine = torch.tensor(series, dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(cal.world)]
+    dist.all_gather(every, mine)
+    sd, corr_ns = fit_rank_noise([e.tolist() for e in every], bin_ns)
+    cal.log(f"ranks' speed drift: sd {sd:.1%}, correlation {corr_ns / 1e6:.0f} ms "
+            f"({len(times)} GEMMs of {med / 1e6:.2f} ms on rank 0)")
+    return {"sd": sd, "corr_ns": corr_ns}
+
+
+def time_slice(cal: Calibrator, cores: int) -> int | None:
+    """With more ranks than cores (CPU backends), how long the OS lets a rank run
+    before another takes its core: every rank spins, noting each jump of its clock
+    (a time it did not run); the median stretch between jumps is the slice."""
+    if not cal.platform.inline_kernels or cal.world <= cores:
+        return None
+    runs: list[int] = []
+    dist.barrier()
+    last = start = time.perf_counter_ns()
+    end = last + (300_000_000 if cal.quick else 1_000_000_000)
+    while last < end:
+        now = time.perf_counter_ns()
+        if now - last > 200_000:  # descheduled: far longer than a loop iteration
+            runs.append(last - start)
+            start = now
+        last = now
+    med = statistics.median(runs[1:]) if len(runs) > 2 else 0
+    slice_ns = int(cal.agree(float(med)))
+    cal.log(f"OS time slice: {slice_ns / 1e6:.2f} ms ({cal.world} ranks on {cores} cores)")
+    return slice_ns or None
