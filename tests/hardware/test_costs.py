@@ -192,3 +192,28 @@ def test_mean_of_two_calibrations():
         mean_profile(before, {**after, "description": "y"})
     with pytest.raises(CommsimInputError, match=r"profile.gemm: the two profiles differ in structure"):
         mean_profile(before, {**after, "gemm": [[1e6, 2e10]]})
+
+
+def test_a_profile_yields_its_platform(tmp_path):
+    """The backend says how kernels, memory and collective order work; the measured cores,
+    time slice and drift complete it. A spec preset is a GPU platform."""
+    from commsim.hardware.platform import (DEFAULT_TIME_SLICE_NS, CollectiveOrder, KernelExecution, MemoryModel,
+                                           RankDrift)
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**PROFILE, "backend": "gloo", "ranks_per_node": 4, "cpu_cores": 2,
+                                "rank_noise": {"sd": 0.1, "corr_ns": 1e8}}))
+    cpu = load_profile(path).platform
+    assert (cpu.kernels, cpu.memory, cpu.collective_order) == (KernelExecution.INLINE, MemoryModel.MALLOC,
+                                                               CollectiveOrder.PROGRAM)
+    assert cpu.time_sliced and (cpu.cpu.cores, cpu.cpu.time_slice_ns) == (2, DEFAULT_TIME_SLICE_NS)
+    assert cpu.drift == RankDrift(0.1, 100_000_000) and not cpu.malloc_syncs_device
+    path.write_text(json.dumps({**PROFILE, "backend": "gloo", "ranks_per_node": 2, "cpu_cores": 2,
+                                "time_slice_ns": 3_000_000}))
+    assert not load_profile(path).platform.time_sliced  # a core per rank
+    path.write_text(json.dumps({**PROFILE, "backend": "nccl"}))
+    gpu = load_profile(path).platform
+    assert (gpu.kernels, gpu.memory, gpu.cpu, bool(gpu.drift)) == (KernelExecution.QUEUED,
+                                                                   MemoryModel.CACHING_ALLOCATOR, None, False)
+    spec = SpecCostModel(cluster_preset("p4d", 2)).platform
+    assert spec.kernels is KernelExecution.QUEUED and spec.collective_order is CollectiveOrder.STREAM

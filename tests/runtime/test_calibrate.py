@@ -26,7 +26,7 @@ def test_quick_calibration_then_predict(tmp_path):
     p = load_profile(prof, "fp32")
     assert set(p.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
     assert all(2 in fits for fits in p.collectives.values())
-    assert p.synchronous_compute and not p.caching_allocator  # a CPU profile
+    assert p.platform.inline_kernels and not p.platform.caching_allocator  # a CPU profile
     assert p.comm_slowdown >= 1.0 and p.kernel_overhead_ns > 0
     # measured, not defaulted, and what predictions use
     assert json.loads(prof.read_text())["comm_latency_slowdown_during_compute"] == \
