@@ -20,6 +20,7 @@ from commsim.hardware.costs import CostModel, SpecCostModel
 from commsim.hardware.specs import cluster_preset
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.schedule import Schedule
+from commsim.ir.serialize import schedule_hash
 from commsim.ir.trace import Trace, TraceMeta, TraceRecord, TraceSource, make_trace
 from commsim.models import describe, resolve_model
 from commsim.report.metrics import Metrics, StepInfo, compute_metrics, step_info
@@ -76,7 +77,7 @@ def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
         for r in rr.records:
             recs.append(TraceRecord(r.rank, r.stream, int(r.op.id), op_kind_name(r.op), r.op.label, r.start_ns,
                                     r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0, r.op.phase.value))
-    meta = TraceMeta(TraceSource.PREDICTED, producer="commsim.sim", schedule_hash=schedule.content_hash(),
+    meta = TraceMeta(TraceSource.PREDICTED, producer="commsim.sim", schedule_hash=schedule_hash(schedule),
                      hardware=hardware, seed=result.seed, extra=(("mode", result.mode), ("jitter", result.jitter)))
     return make_trace(meta, recs)
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from commsim.ir.errors import CommsimInputError
+from commsim.ir.serialize import schedule_hash
 from commsim.ir.text import op_to_text
 from commsim.ir.trace import Trace, TraceMeta, TraceSource, make_trace
 
@@ -79,7 +80,7 @@ def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | 
             mem = gathered[0][2] if gathered else {}  # type: ignore[index]
             per_step = [max(steps[r][i] for r in steps) for i in range(cfg.steps)]
             meta = TraceMeta(TraceSource.MEASURED, producer=f"commsim execute ({cfg.backend})",
-                             schedule_hash=schedule.content_hash(), hardware=_machine(cfg.backend),
+                             schedule_hash=schedule_hash(schedule), hardware=_machine(cfg.backend),
                              extra=(("step_times_ns", per_step), ("warmup_steps", cfg.warmup),
                                     ("memory_stats_rank0", mem), ("world_size", world)))
             make_trace(meta, records).save(cfg.output)

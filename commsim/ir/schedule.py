@@ -11,7 +11,6 @@ training step; run once per measured step, so it must free what it allocates).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -98,12 +97,6 @@ class Schedule:
 
     def ranks_of_program(self, index: int) -> tuple[int, ...]:
         return tuple(r for r, p in enumerate(self.rank_program) if p == index)
-
-    def content_hash(self) -> str:
-        """sha256 of the canonical JSON form: names a schedule in traces."""
-        from commsim.ir.serialize import schedule_to_json
-
-        return hashlib.sha256(schedule_to_json(self, indent=None).encode()).hexdigest()
 
     @staticmethod
     def uniform(world_size: int, program: Program, meta: ScheduleMeta | None = None) -> "Schedule":

@@ -9,6 +9,7 @@ naming the JSON path of the offending value.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import types
 import typing
@@ -118,6 +119,11 @@ def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
 
 def schedule_to_json(schedule: Schedule, indent: int | None = 1) -> str:
     return json.dumps(schedule_to_dict(schedule), indent=indent, sort_keys=False)
+
+
+def schedule_hash(schedule: Schedule) -> str:
+    """sha256 of the canonical JSON form: names a schedule in traces."""
+    return hashlib.sha256(schedule_to_json(schedule, indent=None).encode()).hexdigest()
 
 
 def save_schedule(schedule: Schedule, path: str | Path) -> None:
