@@ -10,23 +10,11 @@ Printed, per cycle: the simulator's prediction with the profile, ``commsim execu
 measurement, and the same loop written directly in torch (the collective called from
 the main thread, as a framework's Python does).
 
-Why: the 4-rank ZeRO-3 baseline row of validate_local.py was predicted 12-23% low in
-four of five grid runs, and its ranks leave each synchronisation 8 ms apart where the simulated
-ones leave together. This isolates that pattern. On the development VM (2 cores), with
-run T's profiles, per cycle (median / mean):
-
-    ranks  simulated  commsim execute  torch direct
-      2      1.35       1.71 / 2.50     1.30 / 1.56    (executor with issuer threads)
-      4      5.80       6.41 / 6.93     4.45 / 5.04
-      2      1.35       1.22 / 2.14     1.05 / 1.61    (host-issued, 2026-11-30)
-      4      5.80       6.20 / 6.96     5.20 / 5.58
-
-The executor used to hand every collective to an issuer thread and wait on that
-thread's event: two thread wake-ups a cycle that a framework does not pay. It now
-issues a collective from the host thread when its inputs are ready and waits on the
-backend's work itself, which took 0.2-0.5 ms off a cycle in the same session's
-before/after runs (2 ranks: 1.70 / 2.58 before; 4 ranks: 6.68 / 7.59 before). The
-cycle-to-cycle spread (p90 about twice the median with 4 ranks) is the OS time slice.
+Why: the rows of validate_local.py that synchronise most (the 4-rank ZeRO-3 baseline)
+are the ones predicted low most often, and their ranks leave each synchronisation
+apart where the simulated ones leave together. This isolates that pattern, and the
+executor's own share of it (its thread hand-offs) against plain torch. Figures from the
+development machine are in traces/README.md ("sync_cycle").
 """
 
 from __future__ import annotations

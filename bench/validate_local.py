@@ -9,29 +9,25 @@ besides its generic benchmarks, the exact GEMM shapes of the row: ``--schedule``
 before the row runs; generate the schedule, predict it with that profile, run it for
 real with ``commsim execute``, calibrate again right after it, predict with the mean
 of the two profiles and compare step times. Calibrating around each row keeps
-calibration and measurement in the same machine state: on the development VM the same
-GEMM ran 4.4 ms and 6.7 ms in back-to-back trials (its vCPUs share physical cores with
-other tenants), so a profile measured once drifts by 10-20% over a 15-minute grid, and
-one calibration can fall into a slow minute the run itself does not see (run I's worst
-row); the mean of before and after halves that. ``--before-only`` skips the second.
-``--calibrate-once`` calibrates once per rank count and link instead (faster).
+calibration and measurement in the same machine state: a VM's speed drifts over a grid
+(its vCPUs share physical cores with other tenants), and one calibration can fall into
+a slow minute the run itself does not see; the mean of before and after halves that.
+``--before-only`` skips the second. ``--calibrate-once`` calibrates once per rank count
+and link instead (faster).
 
 Each row runs twice (``--repeats``), every run between calibrations of its own
 (calibrate, run, calibrate, run, calibrate): the row's error compares the mean
 prediction with the mean measurement, and every run's own error is printed beside it.
-One pair is one sample of a noisy machine: over three full grids (runs Q, R, S) the
-executor's GEMMs took 0.78-1.20x the time their row's calibrations priced, and the
-4-rank ZeRO-2 row measured 2.46, 2.45 and 2.47 s while its calibrations moved its
-prediction from 2.45 to 2.00 s. Two pairs average the part of that noise that changes
-within minutes (in run T a row's two runs differed by 2.6 points of error in the
-median); the part that changes over tens of minutes stays. Rows marked ``deepspeed`` run real
-DeepSpeed (DS_ACCELERATOR=cpu, gloo) on the same model and config instead of our
-executor, timing its steps; their prediction uses host costs that calibrate measured
-from DeepSpeed itself (on a different, tiny model). Rows marked ``slow-link`` /
+Two pairs average the part of a machine's noise that changes within minutes; the part
+that changes over tens of minutes stays. Rows marked ``deepspeed`` run real DeepSpeed
+(DS_ACCELERATOR=cpu, gloo) on the same model and config instead of our executor,
+timing its steps; their prediction uses host costs that calibrate measured from
+DeepSpeed itself (on a different, tiny model). Rows marked ``slow-link`` /
 ``fast-link`` run the two ranks in separate network namespaces joined by a veth pair
 rate-limited with tc (root only), each calibrated over that link.
 
-Ends with one line: ``median |error| = X%  max |error| = Y%  rows = N``.
+Ends with one line: ``median |error| = X%  max |error| = Y%  rows = N``. The history of
+grid runs, and what each showed, is in traces/README.md.
 """
 
 from __future__ import annotations
@@ -121,11 +117,10 @@ def ds_config(row: Row) -> dict:
     return {"train_micro_batch_size_per_gpu": row.micro, "zero_optimization": row.zero}
 
 
-# Steady state only. The executor's first measured step after a single warm-up step ran
-# 10-25% slower than the next ones on this machine (first-touch page faults of freshly
-# allocated buffers), so two warm-up steps. Real DeepSpeed records its module trace in
-# steps 0-1 and allocates the optimizer state lazily in its first step(); its recorded
-# step times settle from step 3 on (e.g. ZeRO-2, small: 1.80 1.61 1.56 1.26 1.27 s).
+# Steady state only. The executor's first measured step after a single warm-up step is
+# slower than the next ones (first-touch page faults of freshly allocated buffers), so
+# two warm-up steps. Real DeepSpeed records its module trace in steps 0-1 and allocates
+# the optimizer state lazily in its first step(); its step times settle from step 3 on.
 EXECUTOR_WARMUP = 2
 DEEPSPEED_WARMUP = 3
 

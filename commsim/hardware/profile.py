@@ -29,10 +29,12 @@ Host allocations (CPU backends) are priced from ``alloc.points`` when present, p
 linear by size: glibc's malloc serves blocks below its mmap threshold (dynamic, up to
 32 MiB on 64-bit Linux: mallopt(3), M_MMAP_THRESHOLD) from a heap whose pages are
 already touched, so zeroing them costs a memset; larger blocks are fresh mmapped pages
-every time and pay page faults, about 6x more per byte on the development machine. One
-latency-plus-bandwidth line through both regimes priced a 4 MiB buffer 10x too high.
+every time and pay page faults, several times more per byte: one latency-plus-bandwidth
+line through both regimes misprices both (traces/README.md has the figures).
 
-With a CPU backend and more ranks per node than ``cpu_cores``, the simulator runs the
+The profile yields its ``Platform`` (``commsim.hardware.platform``): the backend says
+how kernels, memory and collective order work; ``cpu_cores``, ``time_slice_ns`` and
+``rank_noise`` complete it. With more ranks per node than ``cpu_cores``, the simulator runs the
 node's OS scheduler: host threads and collectives' backend threads share the cores in
 time slices of ``time_slice_ns``, and every cost above (measured with all ranks busy
 at once, so with cores/ranks of a core each) is scaled to one core's worth.
@@ -40,14 +42,14 @@ at once, so with cores/ranks of a core each) is scaled to one core's worth.
 ``rank_noise``: how each rank's speed drifts, independently of the others, as an
 Ornstein-Uhlenbeck process of log speed (standard deviation ``sd``, correlation time
 ``corr_ns``). Ranks of a CPU node share cores with each other's backend threads, the
-OS and, on a VM, other tenants: on the development machine a rank's speed over 100 ms
-windows varied by 11-13% with a correlation time of a few hundred ms, so each
-synchronisation waits for whichever rank is behind. With it the simulator runs every
+OS and, on a VM, other tenants, so each synchronisation waits for whichever rank is
+behind. With it the simulator runs every
 rank (per-rank mode). calibrate measures it on CPU backends.
 
 A collective of ``size_bytes`` over a group of ``p`` ranks takes ``latency_ns +
 size_bytes / bytes_per_s`` alone (nccl-tests' algorithm bandwidth); concurrent
-collectives of one node share a single link, so two at once each take longer.
+collectives of one node share its one measured channel (``LinkKind.CHANNEL``), so two
+at once each take longer.
 """
 
 from __future__ import annotations
