@@ -40,7 +40,7 @@ from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.knobs import HostCosts
 from commsim.strategies.optimizer import adam_step, fp64_norms
-from commsim.strategies.zero3 import TraceEntry, module_trace
+from commsim.strategies.zero3_trace import TraceEntry, module_trace
 
 COMPUTE = "compute"
 STAGE0_BUFFER_ELEMS = 500_000_000  # deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE

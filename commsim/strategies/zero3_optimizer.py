@@ -1,0 +1,139 @@
+"""DeepSpeed ZeRO-3's optimizer step and the partitioned state it works on.
+
+Models deepspeed/runtime/zero/stage3.py (0.19.x) ``DeepSpeedZeroOptimizer_Stage3``,
+as summarised in reference/deepspeed-zero3.md:
+
+* state, made at setup: per optimizer sub-group (``sub_group_size`` elements) the
+  rank's 16-bit parameter partition, its reduced-gradient partition in the same dtype
+  (``grad_partitions_flat_buffer``) and, unless offloaded to the host, the fp32 master
+  copy and Adam's two moments;
+* ``step``: every parameter released (the coordinator's ``release_and_reset_all``);
+  with fp16 an overflow check and its all-reduce (MAX) read by the host; the gradient
+  norm from per-parameter shards converted to fp64 (``get_grad_norm_direct``; with
+  offload taken as the gradients left for the host), one all-reduce read by the host;
+  per sub-group the gradients flattened into a fresh fp32 tensor
+  (``_prepare_fp32_grad_for_sub_group``), unscale and clip, Adam, copy back to the
+  16-bit partition, that tensor released (``_release_sub_group``); with offload CPU
+  Adam on the host and a blocking copy of the partition back;
+* after it (``_post_step``): the persistent parameters gathered synchronously and
+  hpZ's secondary shards invalidated, both through the coordinator.
+"""
+
+from __future__ import annotations
+
+from commsim.ir import ops as O
+from commsim.ir.ops import Phase
+from commsim.models.spec import ParamSpec
+from commsim.strategies.builder import ProgramBuilder
+from commsim.strategies.dsconfig import DeepSpeedConfig
+from commsim.strategies.knobs import HostCosts, Knobs
+from commsim.strategies.optimizer import adam_step, fp64_norms
+from commsim.strategies.zero3_layout import COMPUTE, Zero3Layout
+from commsim.strategies.zero3_params import ParamCoordinator
+
+
+def sub_groups(params: tuple[ParamSpec, ...], sub_group_size: int) -> list[list[ParamSpec]]:
+    """Parameters split into optimizer sub-groups of at most ``sub_group_size`` elements
+    (a parameter larger than that is a sub-group of its own)."""
+    groups: list[list[ParamSpec]] = [[]]
+    size = 0
+    for p in params:
+        if groups[-1] and size + p.numel > sub_group_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.numel
+    return groups
+
+
+class Zero3OptimizerStep:
+    """The rank's optimizer state and the step that updates it."""
+
+    def __init__(self, b: ProgramBuilder, layout: Zero3Layout, ds: DeepSpeedConfig, knobs: Knobs, costs: HostCosts,
+                 coordinator: ParamCoordinator):
+        self.b, self.layout, self.ds, self.knobs, self.costs, self.coord = b, layout, ds, knobs, costs, coordinator
+        self.sub_groups = sub_groups(layout.params, ds.zero.sub_group_size)
+
+    def _elems(self, params: list[ParamSpec]) -> int:
+        return sum(self.layout.part[p.name] for p in params)
+
+    def emit_setup(self) -> None:
+        b, lay = self.b, self.layout
+        for g, params in enumerate(self.sub_groups):
+            n = self._elems(params)
+            b.setup_alloc(f"flat16[{g}]", n * lay.dt, f"16-bit parameter partition, sub-group {g}")
+            # the reduced gradients' partition (grad_partitions_flat_buffer), in the
+            # parameters' dtype
+            b.setup_alloc(f"grad16[{g}]", n * lay.dt, f"16-bit gradient partition, sub-group {g}")
+            if lay.offload:  # fp32 master, Adam state and fp32 gradients live in host memory
+                continue
+            # (the fp32 gradient is made per step: _prepare_fp32_grad_for_sub_group)
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                b.setup_alloc(f"{state}[{g}]", n * 4, f"fp32 {state} partition, sub-group {g}")
+
+    def step(self) -> None:
+        b, c, lay = self.b, self.costs, self.layout
+        b.phase = Phase.OPTIMIZER
+        self.coord.release_all()
+        total = sum(lay.part.values())
+        grads = "grad16[0]"
+        if self.ds.precision == "fp16":
+            k = b.compute(COMPUTE, "optimizer.overflow_check", O.ComputeKind.ELEMENTWISE, total, total * lay.dt, 4,
+                          buffers=(grads,))
+            b.reduce_to_host("optimizer.overflow_allreduce", 4, O.DType.FP32, lay.groups.world, O.ReduceOp.MAX, 0,
+                             "overflow .item()", deps=(k,))
+        if not lay.offload:  # offloaded, the per-parameter norms were taken as the gradients left for the host
+            # per parameter shard, in fp64; without the fused-norm fix the host reads
+            # each norm before the next
+            fp64_norms(b, COMPUTE, "optimizer.norm", [(p.name, lay.part[p.name]) for p in lay.params], "grad16[0]",
+                       lay.dt, c.launch_ns, item_each=not self.knobs.fused_grad_norm)
+        b.reduce_to_host("optimizer.grad_norm_allreduce", 8, O.DType.FP64, lay.groups.world, O.ReduceOp.SUM,
+                         c.collective_launch_ns, "global gradient norm")
+        for g, params in enumerate(self.sub_groups):
+            if lay.offload:
+                self._cpu_adam(g, self._elems(params))
+            else:
+                self._device_adam(g, self._elems(params))
+        self.coord.gather_persistent()
+        self.coord.invalidate_secondary()
+
+    def _cpu_adam(self, g: int, n: int) -> None:
+        # CPU Adam on the host's fp32 partition (DeepSpeedCPUAdam, synchronous on the
+        # host thread), then the 16-bit partition copied back to the device; copy_
+        # without non_blocking, so the host waits for it
+        # (stage3._optimizer_step, _reassign_or_swap_out_partitioned_parameters)
+        b, c = self.b, self.costs
+        b.host(f"cpu adam [{g}]", O.HostKind.OPTIMIZER, n * c.cpu_adam_ps_per_param // 1000)
+        b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+        cp = b.copy(COMPUTE, f"optimizer.params_h2d[{g}]", O.CopyDirection.H2D, n * self.layout.dt,
+                    buffers=(f"flat16[{g}]",))
+        b.sync_ops((cp,), "copy of the updated partition to the device")
+
+    def _device_adam(self, g: int, n: int) -> None:
+        b, c, dt = self.b, self.costs, self.layout.dt
+        # _prepare_fp32_grad_for_sub_group: the sub-group's gradients flattened into a
+        # fresh tensor, then .to(fp32) (a second fresh tensor unless already fp32)
+        grad32 = f"grad32[{g}]"
+        b.alloc(grad32, n * 4, COMPUTE, f"flat fp32 gradient, sub-group {g} (per step)")
+        b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+        if dt == 4:
+            b.copy(COMPUTE, f"optimizer.flatten_grads[{g}]", O.CopyDirection.D2D, n * 4,
+                   buffers=(f"grad16[{g}]", grad32))
+        else:
+            flat = f"gradflat16[{g}]"
+            b.alloc(flat, n * dt, COMPUTE, f"flat 16-bit gradient, sub-group {g}")
+            b.copy(COMPUTE, f"optimizer.flatten_grads[{g}]", O.CopyDirection.D2D, n * dt,
+                   buffers=(f"grad16[{g}]", flat))
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            b.compute(COMPUTE, f"optimizer.grads_to_fp32[{g}]", O.ComputeKind.ELEMENTWISE, n, n * dt, n * 4,
+                      buffers=(flat, grad32))
+            b.free(flat, COMPUTE, f"flat 16-bit gradient, sub-group {g}")
+        bufs = (f"fp32[{g}]", f"exp_avg[{g}]", f"exp_avg_sq[{g}]", grad32)
+        b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+        b.compute(COMPUTE, f"optimizer.unscale_clip[{g}]", O.ComputeKind.ELEMENTWISE, n, n * 4, n * 4,
+                  buffers=(grad32,))
+        adam_step(b, COMPUTE, f"optimizer.adam[{g}]", n, bufs, self.ds.optimizer_impl, c.launch_ns)
+        b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+        b.compute(COMPUTE, f"optimizer.copy_back[{g}]", O.ComputeKind.ELEMENTWISE, n, 4 * n, dt * n,
+                  buffers=(f"fp32[{g}]", f"flat16[{g}]"))
+        b.free(grad32, COMPUTE, f"fp32 gradient, sub-group {g} (_release_sub_group)")
