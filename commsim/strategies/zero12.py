@@ -1,9 +1,9 @@
 """ZeRO stages 0, 1 and 2 lowered to IR, as DeepSpeed 0.19 runs them.
 
 Parameters stay whole (16-bit) on every rank, so forward and backward fetch nothing.
-What differs is the gradient reduction and the optimizer (recorded from DeepSpeed on
-this machine's CPUs, and read from deepspeed/runtime/engine.py and
-zero/stage_1_and_2.py):
+What differs is the gradient reduction and the optimizer (read from
+deepspeed/runtime/engine.py and zero/stage_1_and_2.py, and checked against real
+DeepSpeed's collectives recorded on CPUs: tests/runtime/test_deepspeed_fidelity.py):
 
 * stage 0: after backward, ``buffered_allreduce_fallback`` all-reduces every gradient
   in buffers of 500M elements (``MEMORY_OPT_ALLREDUCE_SIZE``), in parameter order;
