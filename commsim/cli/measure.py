@@ -16,33 +16,14 @@ from commsim.ir.load import load_schedule_any
 
 def cmd_execute(args: argparse.Namespace) -> int:
     need_torch("execute")
-    from runtime.executor import env_rank
-    from runtime.launch import ExecConfig, launch_local, worker
+    from runtime.launch import ExecConfig, execute
 
     if args.steps < 1 or args.warmup < 0:
         raise CommsimInputError("--steps must be >= 1 and --warmup >= 0")
-    schedule = load_schedule_any(args.schedule)
-    from commsim.ir.validate import check_valid
-
-    check_valid(schedule, args.schedule)
     cfg = ExecConfig(args.schedule, args.output, args.backend, args.steps, args.warmup, args.check_data,
                      args.timeout)
-    env = env_rank()
-    if env is not None:  # under torchrun / srun: this process is one rank
-        rank, world, local = env
-        if world != schedule.world_size:
-            raise CommsimInputError(f"{args.schedule}: the schedule has {schedule.world_size} ranks, the launcher "
-                                    f"started {world}")
-        worker(cfg, rank, world, local, "env://")
-        if rank != 0:
-            return 0
-        from commsim.ir.trace import Trace
-
-        trace = Trace.load(args.output)
-    else:
-        nproc = args.nproc_per_node or schedule.world_size
-        trace = launch_local(cfg, nproc)
-    steps = trace.meta.get("step_times_ns", [])
+    trace = execute(cfg, args.nproc_per_node)
+    steps = trace.meta.get("step_times_ns", []) if trace is not None else []
     if steps:
         mean = sum(steps) / len(steps)
         spread = (max(steps) - min(steps)) / 2
@@ -51,101 +32,36 @@ def cmd_execute(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gemm_shapes(paths: list[str]) -> tuple[tuple[str, int, int, int, int], ...]:
-    """(dtype, m, n, k, batch) of every GEMM / attention matmul in these schedules."""
-    from commsim.ir import ops as O
-
-    out: dict[tuple, None] = {}
-    for path in paths:
-        schedule = load_schedule_any(path)
-        dtype = str(schedule.meta.knob("precision") or "fp32")
-        if dtype not in ("fp32", "bf16", "fp16"):
-            raise CommsimInputError(f"--schedule {path}: precision {dtype!r} in its meta; allowed: fp32, bf16, fp16")
-        for program in schedule.programs:
-            for op in program.step:
-                if isinstance(op, O.Compute) and op.gemm is not None:
-                    out[(dtype, op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch)] = None
-    return tuple(out)
-
-
 def cmd_calibrate(args: argparse.Namespace) -> int:
     need_torch("calibrate")
-    from runtime.launch import calibrate_local
+    from runtime.launch import calibrate
 
-    from runtime.executor import env_rank
-
-    shapes = _gemm_shapes(args.schedule or [])
-    found = env_rank()
-    if found is not None:  # one rank of a job someone else launched (torchrun, srun)
-        if args.deepspeed_host_costs:
-            raise CommsimInputError("--deepspeed-host-costs: run it without torchrun (it launches its own ranks)")
-        from runtime.launch import calibrate_env
-
-        calibrate_env(args.backend, args.output, quick=args.quick, shapes=shapes)
-        if found[0] == 0:
-            print(f"{args.output}: hardware profile of {found[1]} {args.backend} ranks (from the environment)")
+    done = calibrate(args.output, args.backend, args.nproc_per_node, quick=args.quick,
+                     schedules=tuple(args.schedule or ()), deepspeed_host_costs=args.deepspeed_host_costs,
+                     log=lambda m: print(f"calibrate: {m}", flush=True))
+    if done.from_env:
+        if done.wrote:
+            print(f"{args.output}: hardware profile of {done.ranks} {args.backend} ranks (from the environment)")
         return 0
-    nproc = args.nproc_per_node
-    calibrate_local(nproc, args.backend, args.output, quick=args.quick, shapes=shapes)
-    if args.deepspeed_host_costs:
-        from commsim.util.files import atomic_write_text
-        from runtime.calibrate_ds import measure_host_costs
-
-        costs = measure_host_costs(nproc, args.output, log=lambda m: print(f"calibrate: {m}", flush=True))
-        profile = json.loads(Path(args.output).read_text())
-        profile["host_costs"] = costs
-        atomic_write_text(args.output, json.dumps(profile, indent=1))
-    print(f"{args.output}: hardware profile of {nproc} {args.backend} ranks "
+    print(f"{args.output}: hardware profile of {done.ranks} {args.backend} ranks "
           f"(use: commsim predict --hw-profile {args.output})")
     return 0
 
 
-# ---------------------------------------------------------------- record / compare
-
-
-_SITECUSTOMIZE = """# written by commsim record: wrap torch.distributed.ProcessGroup before the framework loads
-import runtime.record as _commsim_record
-_commsim_record.install_from_env()
-"""
-
-
 def cmd_record(args: argparse.Namespace) -> int:
-    import os
-    import subprocess
-    import tempfile
-
+    need_torch("record")
     from commsim.ir.trace import Trace
+    from commsim.report.collectives import describe_recording
+    from runtime.record import run_recorded
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if not cmd:
-        raise CommsimInputError("commsim record: give the command to run after --, e.g. "
-                                "commsim record -o rec -- torchrun --nproc-per-node 2 train.py")
     out = Path(args.output)
-    if out.exists() and any(out.glob("rank*.json")):
-        raise CommsimInputError(f"-o {out}: already holds recorded traces; choose an empty folder")
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="commsim-record-") as hook_dir:
-        Path(hook_dir, "sitecustomize.py").write_text(_SITECUSTOMIZE)
-        env = dict(os.environ)
-        # the repository root (so `runtime` imports even when commsim is not installed)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join([hook_dir, root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        env["COMMSIM_RECORD_DIR"] = str(out.resolve())
-        try:
-            rc = subprocess.run(cmd, env=env).returncode
-        except FileNotFoundError:
-            raise CommsimInputError(f"commsim record: command not found: {cmd[0]}") from None
+    rc = run_recorded(cmd, out)
     files = sorted(out.glob("rank*.json"))
     for f in files:
-        t = Trace.load(f)
-        kinds: dict[str, int] = {}
-        for r in t.records:
-            kinds[r.kind] = kinds.get(r.kind, 0) + 1
-        steps = 1 + max((r.step for r in t.records), default=0)
-        desc = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
-        print(f"{f}: {len(t.records)} calls over {steps} step(s): {desc}")
+        print(f"{f}: {describe_recording(Trace.load(f))}")
     if not files:
         print(f"commsim record: the command sent no collectives (nothing written to {out})", file=sys.stderr)
     if rc != 0:
@@ -155,7 +71,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 def _compare_traces(args: argparse.Namespace) -> int:
     from commsim.ir.trace import Trace
-    from commsim.report.compare import compare
+    from commsim.report.compare import compare, format_comparison
 
     pred, meas = Trace.load(args.first), Trace.load(args.second)
     if pred.meta.schedule_hash and meas.meta.schedule_hash and pred.meta.schedule_hash != meas.meta.schedule_hash:
@@ -168,49 +84,26 @@ def _compare_traces(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(c.to_json(), indent=1))
         return 0
-    print(f"step time: predicted {c.predicted_step_ns / 1e6:.2f} ms, measured {c.measured_step_ns / 1e6:.2f} ms "
-          f"(+- {c.measured_step_spread_ns / 1e6:.2f}): error {c.step_time_error_frac:+.1%}")
-    print(f"{'busy per stream':<22}{'predicted ms':>14}{'measured ms':>14}")
-    for s in sorted(set(c.predicted.busy_by_stream) | set(c.measured.busy_by_stream)):
-        print(f"  {s:<20}{c.predicted.busy_by_stream.get(s, 0) / 1e6:>14.2f}{c.measured.busy_by_stream.get(s, 0) / 1e6:>14.2f}")
-    print(f"{'busy per phase':<22}")
-    for s in sorted(set(c.predicted.busy_by_phase) | set(c.measured.busy_by_phase)):
-        print(f"  {s:<20}{c.predicted.busy_by_phase.get(s, 0) / 1e6:>14.2f}{c.measured.busy_by_phase.get(s, 0) / 1e6:>14.2f}")
-    print(f"  {'communication':<20}{c.predicted.comm_ns / 1e6:>14.2f}{c.measured.comm_ns / 1e6:>14.2f}")
-    print(f"  {'exposed comm.':<20}{c.predicted.exposed_comm_ns / 1e6:>14.2f}{c.measured.exposed_comm_ns / 1e6:>14.2f}")
-    pc = c.percentiles()
-    if pc:
-        print(f"per-op duration error over {len(c.op_errors)} ops: p10 {pc['p10']:+.0%}, median {pc['p50']:+.0%}, "
-              f"p90 {pc['p90']:+.0%}")
-    print("largest discrepancies:")
-    for _, p, m, r in c.worst(8):
-        print(f"  {p / 1e3:>10.1f} us predicted {m / 1e3:>10.1f} us measured  op {r.op_id} {r.kind} "
-              f"{r.size_bytes or ''} \"{r.label}\"")
+    print(format_comparison(c))
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     if not args.collectives:
         return _compare_traces(args)
-    from commsim.report.collectives import align, load_recorded, recorded_sequence, schedule_sequence
+    from commsim.report.collectives import (align, format_alignment, load_recorded, recorded_sequence,
+                                            schedule_sequence)
 
     recorded = recorded_sequence(load_recorded(args.first, args.rank))
     schedule = load_schedule_any(args.second)
-    expected = schedule_sequence(schedule, args.rank)
-    a = align(expected, recorded)
+    a = align(schedule_sequence(schedule, args.rank), recorded)
     if args.json:
         print(json.dumps({"match": a.ok, "expected": a.expected, "matches": [list(m) for m in a.matches],
                           "best_start": a.best_start, "best_length": a.best_length,
                           "mismatch": a.mismatch}))
         return 0 if a.ok else 1
-    if a.ok:
-        where = ", ".join(f"call {i} (step {s})" for i, s in a.matches)
-        print(f"match: the schedule's {a.expected} collectives per step occur in the recording at {where}")
-        return 0
-    exp, rec = a.mismatch or (None, None)
-    print(f"no match: the longest agreement is {a.best_length} of {a.expected} collectives from recorded call "
-          f"{a.best_start}; then the schedule has {exp} and the recording {rec}")
-    return 1
+    print(format_alignment(a))
+    return 0 if a.ok else 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:
