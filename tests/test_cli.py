@@ -55,11 +55,25 @@ def test_bad_files_exit_2_with_one_line(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_bad_flag_is_one_line():
+def test_bad_flag_is_one_line_with_one_prefix():
     out = run("models", "tiny", "--micro-batch", "0")
     assert out.returncode == 2
-    assert out.stderr == ("commsim: error: commsim models: argument --micro-batch: expected a positive integer, "
+    assert out.stderr == ("commsim: error: argument --micro-batch: expected a positive integer, "
                           "got 0 (see 'commsim models --help')\n")
+    out = run("frobnicate")
+    assert out.returncode == 2
+    assert out.stderr.startswith("commsim: error: argument COMMAND: invalid choice: 'frobnicate'")
+    assert out.stderr.count("commsim") == 2 and out.stderr.endswith("(see 'commsim --help')\n")
+    out = run("predict", "--nodes", "1", "--cluster", "p4d", "--stage", "3", "--grid")  # a flag predict lacks
+    assert (out.returncode, out.stderr) == (2, "commsim: error: unrecognized arguments: --grid (see 'commsim --help')\n")
+
+
+def test_input_errors_have_one_prefix(tmp_path):
+    out = run("sweep", "--model", "tiny", "-o", str(tmp_path / "s.csv"))
+    assert (out.returncode, out.stderr) == (2, "commsim: error: --grid: give at least one axis, NAME=V1,V2,...\n")
+    out = run("tune", "--model", "tiny", "--seq", "16", "--nodes", "1", "--stage", "0", "-o", str(tmp_path / "t.json"))
+    assert (out.returncode, out.stderr) == (2, "commsim: error: ZeRO stage 0 has nothing to tune; use stage 1, 2 "
+                                               "or 3\n")
 
 
 def test_models_json():

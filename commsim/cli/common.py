@@ -17,7 +17,8 @@ class Parser(argparse.ArgumentParser):
     """argparse, but usage errors are one line (and still exit 2)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise CommsimInputError(f"{self.prog}: {message} (see '{self.prog} --help')")
+        # main() adds the one "commsim: error:" prefix; the help hint names the subcommand
+        raise CommsimInputError(f"{message} (see '{self.prog} --help')")
 
 
 def positive_int(text: str) -> int:
@@ -35,7 +36,7 @@ def need_torch(what: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
-        raise CommsimInputError(f"commsim {what} needs torch: pip install 'commsim[runtime]'")
+        raise CommsimInputError(f"{what} needs torch: pip install 'commsim[runtime]'")
 
 
 def add_scenario_flags(p: argparse.ArgumentParser) -> None:

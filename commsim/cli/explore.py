@@ -16,7 +16,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from commsim.sweep import parse_grid, sweep, text_progress
 
     if not args.grid:
-        raise CommsimInputError("commsim sweep: give at least one --grid NAME=V1,V2,...")
+        raise CommsimInputError("--grid: give at least one axis, NAME=V1,V2,...")
     grid = parse_grid(args.grid)
     base = scenario_from_args(args)
     n = 1
@@ -39,7 +39,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     show = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     result = tune(base, dims, jobs=args.jobs, max_rounds=args.rounds, progress=show)
     if not result.best.fits:
-        raise CommsimInputError("commsim tune: no configuration searched fits in memory; try more nodes, "
+        raise CommsimInputError("no configuration searched fits in memory; try more nodes, "
                                 "--search train_micro_batch_size_per_gpu,checkpointing, or a larger GPU")
     atomic_write_text(args.output, json.dumps(result.ds_config, indent=2) + "\n")
     if args.json:

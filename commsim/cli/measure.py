@@ -80,7 +80,7 @@ def _compare_traces(args: argparse.Namespace) -> int:
     try:
         c = compare(pred, meas, args.rank)
     except ValueError as e:
-        raise CommsimInputError(f"commsim compare: {e}") from None
+        raise CommsimInputError(f"{args.first} vs {args.second}: {e}") from None
     if args.json:
         print(json.dumps(c.to_json(), indent=1))
         return 0
