@@ -81,3 +81,25 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
     p.add_argument("--seed", type=int, default=0, help="seed of the per-rank jitter RNG (default 0)")
     p.add_argument("--jitter", type=float,
                    help="relative std-dev of compute kernel times per rank (default 0.01 per-rank, 0 symmetric)")
+
+
+def check_outputs(*outputs: tuple[str, str | None]) -> None:
+    """Before any work: every ``(flag, path)`` given can be written as a file (its folder
+    exists and is writable, the path is not a folder)."""
+    from commsim.util.files import output_problem
+
+    for flag, path in outputs:
+        if path is not None:
+            problem = output_problem(path)
+            if problem:
+                raise CommsimInputError(f"{flag} {path}: {problem}")
+
+
+def check_output_folder(flag: str, path: str) -> None:
+    """Before any work: files can be written into the folder ``path`` (or it can be
+    made: its parent exists)."""
+    from commsim.util.files import output_folder_problem
+
+    problem = output_folder_problem(path)
+    if problem:
+        raise CommsimInputError(f"{flag} {path}: {problem}")

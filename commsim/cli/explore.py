@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from commsim.cli.common import add_hardware_flags, add_scenario_flags, positive_int
+from commsim.cli.common import add_hardware_flags, add_scenario_flags, check_outputs, positive_int
 from commsim.ir.errors import CommsimInputError
 
 
@@ -15,6 +15,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from commsim.api import scenario_from_args
     from commsim.sweep import parse_grid, sweep, text_progress
 
+    check_outputs(("-o", args.output))
     if not args.grid:
         raise CommsimInputError("--grid: give at least one axis, NAME=V1,V2,...")
     grid = parse_grid(args.grid)
@@ -34,6 +35,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from commsim.tune import tune
     from commsim.util.files import atomic_write_text
 
+    check_outputs(("-o", args.output))
     dims = [d for d in (args.search or "").split(",") if d] or None
     base = scenario_from_args(args)
     show = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))
@@ -55,6 +57,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     from commsim.report.plots import save_png, scaling, stall_bars
 
+    check_outputs(("-o", args.output))
     try:
         df = pd.read_csv(args.table)
     except (OSError, ValueError) as e:

@@ -9,13 +9,14 @@ import json
 import sys
 from pathlib import Path
 
-from commsim.cli.common import need_torch, positive_int
+from commsim.cli.common import check_output_folder, check_outputs, need_torch, positive_int
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.load import load_schedule_any
 
 
 def cmd_execute(args: argparse.Namespace) -> int:
     need_torch("execute")
+    check_outputs(("-o", args.output))
     from runtime.launch import ExecConfig, execute
 
     if args.steps < 1 or args.warmup < 0:
@@ -34,6 +35,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     need_torch("calibrate")
+    check_outputs(("-o", args.output))
     from runtime.launch import calibrate
 
     done = calibrate(args.output, args.backend, args.nproc_per_node, quick=args.quick,
@@ -50,6 +52,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_record(args: argparse.Namespace) -> int:
     need_torch("record")
+    check_output_folder("-o", args.output)
     from commsim.ir.trace import Trace
     from commsim.report.collectives import describe_recording
     from runtime.record import run_recorded

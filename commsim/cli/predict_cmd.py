@@ -7,7 +7,7 @@ import argparse
 import json
 import math
 
-from commsim.cli.common import add_hardware_flags, add_scenario_flags
+from commsim.cli.common import add_hardware_flags, add_scenario_flags, check_outputs
 
 
 def _fmt_bytes(n: float) -> str:
@@ -57,6 +57,7 @@ def report_lines(pred, seed: int) -> list[str]:
 def cmd_predict(args: argparse.Namespace) -> int:
     from commsim.api import predict_scenario
 
+    check_outputs(("--trace", args.trace), ("--plot", args.plot), ("--plot-memory", args.plot_memory))
     pred = predict_scenario(args)
     m = pred.metrics
     if args.trace:

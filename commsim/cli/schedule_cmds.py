@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from commsim.cli.common import EXIT_BAD_INPUT, add_scenario_flags, positive_int
+from commsim.cli.common import EXIT_BAD_INPUT, add_scenario_flags, check_outputs, positive_int
 from commsim.ir.load import load_schedule_any
 
 
@@ -35,6 +35,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from commsim.ir.text import schedule_to_text
     from commsim.util.files import atomic_write_text
 
+    check_outputs(("-o", args.output))
     text = schedule_to_text(load_schedule_any(args.file))
     if args.output:
         atomic_write_text(args.output, text)
@@ -95,6 +96,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from commsim.strategies.summary import format_summary
     from commsim.util.files import atomic_write_text
 
+    check_outputs(("-o", args.output))
     sc = Scenario(model=args.model, cluster=args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                   stage=args.stage, preset=args.preset, knobs=tuple(args.knob or ()), ds_config=args.ds_config,
                   micro_batch=args.micro_batch, seq=args.seq, checkpointing=not args.no_checkpointing,

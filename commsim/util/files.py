@@ -45,3 +45,39 @@ def read_json(path: str | Path, error: type[ValueError]) -> object:
         raise error(f"{path}: cannot read: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+
+
+def output_problem(path: str | Path) -> str | None:
+    """Why a file could not be written at ``path`` (by a rename in its folder), or None.
+
+    Checked before any work, so that a bad output path fails in a second, not after the
+    minutes the output took to compute. Writability is probed with a temporary file
+    (removed at once): permission bits alone do not tell for root or read-only mounts.
+    """
+    p = Path(path)
+    if p.is_dir():
+        return "is a folder; give a file name"
+    return _folder_problem(p.parent if str(p.parent) else Path("."))
+
+
+def output_folder_problem(path: str | Path) -> str | None:
+    """Why files could not be written into the folder ``path`` (created if missing: its
+    parent must exist), or None."""
+    p = Path(path)
+    if p.exists():
+        return _folder_problem(p) if p.is_dir() else "exists and is not a folder"
+    return _folder_problem(p.parent if str(p.parent) else Path("."))
+
+
+def _folder_problem(folder: Path) -> str | None:
+    if not folder.exists():
+        return f"folder {folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".commsim-probe.", dir=folder)
+    except OSError as e:
+        return f"folder {folder} is not writable ({e.strerror})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
