@@ -1,11 +1,14 @@
 """Atomic file output: write a temporary file beside the target, then rename.
 
-A crash or a bad input mid-way never leaves a half-written output behind.
+A crash or a bad input mid-way never leaves a half-written output behind. The file gets
+the mode an ordinary write would give it: an existing target's own, else 0666 less the
+umask (the temporary file is created 0600, which would otherwise be renamed into place).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -15,6 +18,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, _new_file_mode(path))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -24,6 +28,28 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def _new_file_mode(path: Path) -> int:
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux allows (os.umask can
+    only be read by setting it, which would race with other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
