@@ -249,3 +249,17 @@ def test_record_output_folder_is_checked_first(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["record", "-o", str(tmp_path / "file"), "--", "true"]) == 2
     assert capsys.readouterr().err == f"commsim: error: -o {tmp_path / 'file'}: exists and is not a folder\n"
+
+
+def test_predict_json_echoes_the_values_it_used(tmp_path):
+    res = predict_json("--model", "tiny", "--nodes", "2", "--seq", "16")
+    sc = res["scenario"]
+    assert (sc["net"], sc["stage"], sc["gpus_per_node"], sc["micro_batch"]) == ("efa", 3, 8, 16)  # were all null
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}')
+    sc = predict_json("--model", "tiny", "--nodes", "2", "--seq", "16", "--cluster", "dgx-a100",
+                      "--ds-config", str(cfg))["scenario"]
+    assert (sc["net"], sc["stage"], sc["gpus_per_node"], sc["micro_batch"]) == ("ib", 2, 8, 4)
+    sc = predict_json("--model", "tiny", "--nodes", "2", "--seq", "16", "--net", "ib", "--gpus-per-node", "4",
+                      "--micro-batch", "2", "--stage", "1")["scenario"]
+    assert (sc["net"], sc["stage"], sc["gpus_per_node"], sc["micro_batch"]) == ("ib", 1, 4, 2)

@@ -44,3 +44,4 @@ def test_sweep_cli(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"{out}: 4 rows (0 with errors)"
     assert "sweep [" in res.stderr and "4/4 points" in res.stderr
+
