@@ -86,6 +86,14 @@ def point_ids(base: Scenario, grid: dict[str, list[Any]]) -> list[str]:
     return [point_id(p, _base_key(base)) for p in points(grid)]
 
 
+def failed_points(path: str | Path, base: Scenario, grid: dict[str, list[Any]]) -> int:
+    """How many points of ``grid`` have an error row in the table at ``path`` (read as
+    text: a pandas read could take an all-digit point_id for a number)."""
+    ids = set(point_ids(base, grid))
+    with Path(path).open(newline="") as f:
+        return sum(1 for r in csv.DictReader(f) if r.get("point_id") in ids and r.get("error"))
+
+
 def _base_key(base: Scenario) -> dict[str, Any]:
     return {k: v for k, v in base.__dict__.items() if k not in ("warnings", "host_costs")}
 

@@ -13,7 +13,7 @@ from commsim.ir.errors import CommsimInputError
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from commsim.api import scenario_from_args
-    from commsim.sweep import parse_grid, point_ids, sweep, text_progress
+    from commsim.sweep import failed_points, parse_grid, sweep, text_progress
 
     check_outputs(("-o", args.output))
     if not args.grid:
@@ -25,11 +25,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         n *= len(v)
     print(f"sweep: {n} points over {', '.join(grid)} -> {args.output}", file=sys.stderr)
     df = sweep(base, grid, jobs=args.jobs, output=args.output, progress=None if args.quiet else text_progress())
-    # read back from the CSV, an empty error is NaN
-    failed = (df["error"].notna() & (df["error"] != "")) if "error" in df else df["point_id"].isna()
-    print(f"{args.output}: {len(df)} rows ({int(failed.sum())} with errors)")
+    errors = int((df["error"].notna() & (df["error"] != "")).sum()) if "error" in df else 0  # empty: NaN
+    print(f"{args.output}: {len(df)} rows ({errors} with errors)")
     # this grid's points, whether they ran now or in an earlier run of a resumed sweep
-    failed_here = int((failed & df["point_id"].isin(point_ids(base, grid))).sum())
+    failed_here = failed_points(args.output, base, grid)
     if failed_here:
         print(f"commsim: {failed_here} of {n} points failed; the error column of {args.output} says why",
               file=sys.stderr)
