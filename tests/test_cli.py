@@ -263,3 +263,17 @@ def test_predict_json_echoes_the_values_it_used(tmp_path):
     sc = predict_json("--model", "tiny", "--nodes", "2", "--seq", "16", "--net", "ib", "--gpus-per-node", "4",
                       "--micro-batch", "2", "--stage", "1")["scenario"]
     assert (sc["net"], sc["stage"], sc["gpus_per_node"], sc["micro_batch"]) == ("ib", 1, 4, 2)
+
+
+def test_more_gpus_per_node_than_the_preset_is_a_warned_what_if():
+    out = run("predict", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "16", "--micro-batch", "2",
+              "--seq", "16")
+    assert out.returncode == 0 and "= 16 GPUs" in out.stdout  # still accepted
+    assert out.stderr == ("commsim: warning: --gpus-per-node 16: a p4d node has 8 GPUs; simulating 16 per node as a "
+                          "what-if (its NVLink and NICs shared by all of them)\n")  # was silent
+    out = run("schedule", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "16", "--cluster", "p5",
+              "--micro-batch", "2", "--seq", "16")
+    assert out.returncode == 0 and out.stderr.startswith("commsim: warning: --gpus-per-node 16: a p5 node has 8 GPUs")
+    out = run("schedule", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2",
+              "--seq", "16")
+    assert out.returncode == 0 and out.stderr == ""  # part of a node is ordinary

@@ -7,6 +7,7 @@ prints as one line and turns into exit status 2; nothing here prints or does wor
 from __future__ import annotations
 
 import argparse
+import sys
 
 from commsim.ir.errors import CommsimInputError
 
@@ -103,3 +104,18 @@ def check_output_folder(flag: str, path: str) -> None:
     problem = output_folder_problem(path)
     if problem:
         raise CommsimInputError(f"{flag} {path}: {problem}")
+
+
+def warn(message: str) -> None:
+    print(f"commsim: warning: {message}", file=sys.stderr)
+
+
+def warn_what_ifs(cluster: str, gpus_per_node: int | None) -> None:
+    """Warn, once, about settings accepted as what-ifs that no real node of the preset has:
+    more GPUs per node than the preset's (partial nodes, fewer, are ordinary)."""
+    from commsim.hardware.specs import NODE_PRESETS
+
+    node = NODE_PRESETS.get(cluster)
+    if node is not None and gpus_per_node is not None and gpus_per_node > node.gpus_per_node:
+        warn(f"--gpus-per-node {gpus_per_node}: a {cluster} node has {node.gpus_per_node} GPUs; simulating "
+             f"{gpus_per_node} per node as a what-if (its NVLink and NICs shared by all of them)")

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from commsim.cli.common import add_hardware_flags, add_scenario_flags, check_outputs, positive_int
+from commsim.cli.common import add_hardware_flags, add_scenario_flags, check_outputs, positive_int, warn_what_ifs
 from commsim.ir.errors import CommsimInputError
 
 
@@ -20,6 +20,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise CommsimInputError("--grid: give at least one axis, NAME=V1,V2,...")
     grid = parse_grid(args.grid)
     base = scenario_from_args(args)
+    for cluster in grid.get("cluster", [base.cluster]):
+        for gpus in grid.get("gpus_per_node", [base.gpus_per_node]):
+            warn_what_ifs(cluster, gpus)
     n = 1
     for v in grid.values():
         n *= len(v)
@@ -42,6 +45,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from commsim.util.files import atomic_write_text
 
     check_outputs(("-o", args.output))
+    warn_what_ifs(args.cluster, args.gpus_per_node)
     dims = [d for d in (args.search or "").split(",") if d] or None
     base = scenario_from_args(args)
     show = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))

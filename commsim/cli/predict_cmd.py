@@ -7,7 +7,7 @@ import argparse
 import json
 import math
 
-from commsim.cli.common import add_hardware_flags, add_scenario_flags, check_outputs
+from commsim.cli.common import add_hardware_flags, add_scenario_flags, check_outputs, warn_what_ifs
 
 
 def _fmt_bytes(n: float) -> str:
@@ -58,6 +58,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from commsim.api import predict_scenario
 
     check_outputs(("--trace", args.trace), ("--plot", args.plot), ("--plot-memory", args.plot_memory))
+    warn_what_ifs(args.cluster, args.gpus_per_node)
     pred = predict_scenario(args)
     m = pred.metrics
     if args.trace:

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from commsim.cli.common import EXIT_BAD_INPUT, add_scenario_flags, check_outputs, positive_int
+from commsim.cli.common import EXIT_BAD_INPUT, add_scenario_flags, check_outputs, positive_int, warn, warn_what_ifs
 from commsim.ir.load import load_schedule_any
 
 
@@ -97,13 +97,14 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from commsim.util.files import atomic_write_text
 
     check_outputs(("-o", args.output))
+    warn_what_ifs(args.cluster, args.gpus_per_node)
     sc = Scenario(model=args.model, cluster=args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                   stage=args.stage, preset=args.preset, knobs=tuple(args.knob or ()), ds_config=args.ds_config,
                   micro_batch=args.micro_batch, seq=args.seq, checkpointing=not args.no_checkpointing,
                   checkpoint_style=args.checkpoint_style)
     schedule = build_schedule(sc)[0]
     for w in sc.warnings:
-        print(f"commsim: warning: {w}", file=sys.stderr)
+        warn(w)
     if args.output:
         if args.output.endswith(".txt"):
             atomic_write_text(args.output, schedule_to_text(schedule))
