@@ -1,7 +1,8 @@
-"""What every subcommand shares: the one-line-error parser, flag types and flag groups.
+"""What every subcommand shares: the one-line-error parser, flag types and flag groups,
+checks of output paths made before any work, and warnings.
 
 Usage errors and input errors alike become a ``CommsimInputError``, which ``main``
-prints as one line and turns into exit status 2; nothing here prints or does work.
+prints as one line (``commsim: error: ...``) and turns into exit status 2.
 """
 
 from __future__ import annotations
@@ -107,12 +108,13 @@ def check_output_folder(flag: str, path: str) -> None:
 
 
 def warn(message: str) -> None:
+    """One line on stderr; the command goes on."""
     print(f"commsim: warning: {message}", file=sys.stderr)
 
 
 def warn_what_ifs(cluster: str, gpus_per_node: int | None) -> None:
-    """Warn, once, about settings accepted as what-ifs that no real node of the preset has:
-    more GPUs per node than the preset's (partial nodes, fewer, are ordinary)."""
+    """Warn about settings accepted as what-ifs that no real node of the preset has: more
+    GPUs per node than the preset's (fewer, part of a node, is ordinary)."""
     from commsim.hardware.specs import NODE_PRESETS
 
     node = NODE_PRESETS.get(cluster)
