@@ -85,7 +85,8 @@ def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
 def default_ds_config(stage: int | None = None) -> dict[str, Any]:
     """The seed scenario's DeepSpeed config: ZeRO-3 (or ``stage``), bf16, DeepSpeed's own
     AdamW (an optimizer section, so its fused implementation), defaults otherwise."""
-    return {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage or 3}}
+    return {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
+            "zero_optimization": {"stage": 3 if stage is None else stage}}
 
 
 def _ds_config(sc: Scenario):
@@ -214,7 +215,22 @@ def predict(sc: Scenario) -> Prediction:
     metrics = compute_metrics(result, info)
     title = f"commsim predict: {what} on {hardware} = {schedule.world_size} GPUs"
     scen = {k: v for k, v in sc.__dict__.items() if k not in ("warnings", "host_costs")}
+    scen.update(_resolved(sc, schedule, cluster))
     return Prediction(scen, schedule, result, metrics, info, title, cost.hbm_bytes, hardware)
+
+
+def _resolved(sc: Scenario, schedule: Schedule, cluster) -> dict[str, Any]:
+    """The values a prediction used where the scenario left them to defaults: the fabric
+    kind ("profile" when a measured profile replaces the preset's), the ZeRO stage and
+    micro-batch of the schedule (None when a schedule file does not say), the node's GPUs."""
+    import re
+
+    stage = re.fullmatch(r"zero(\d)", schedule.meta.strategy or "")
+    micro = dict(schedule.meta.knobs).get("micro_batch")
+    return {"net": "profile" if sc.hw_profile else cluster.node.fabric.kind,
+            "stage": int(stage.group(1)) if stage else None,
+            "gpus_per_node": cluster.node.gpus_per_node,
+            "micro_batch": int(micro) if micro is not None else None}
 
 
 def scenario_from_args(args: Any) -> Scenario:

@@ -81,6 +81,23 @@ def point_id(point: dict[str, Any], base: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def point_ids(base: Scenario, grid: dict[str, list[Any]]) -> list[str]:
+    """The ``point_id`` of every point of ``grid`` over ``base``, as its table rows carry them."""
+    return [point_id(p, _base_key(base)) for p in points(grid)]
+
+
+def failed_points(path: str | Path, base: Scenario, grid: dict[str, list[Any]]) -> int:
+    """How many points of ``grid`` have an error row in the table at ``path`` (read as
+    text: a pandas read could take an all-digit point_id for a number)."""
+    ids = set(point_ids(base, grid))
+    with Path(path).open(newline="") as f:
+        return sum(1 for r in csv.DictReader(f) if r.get("point_id") in ids and r.get("error"))
+
+
+def _base_key(base: Scenario) -> dict[str, Any]:
+    return {k: v for k, v in base.__dict__.items() if k not in ("warnings", "host_costs")}
+
+
 def scenario_for(base: Scenario, point: dict[str, Any]) -> Scenario:
     changes: dict[str, Any] = {}
     knobs = list(base.knobs)
@@ -150,8 +167,7 @@ def sweep(base: Scenario, grid: dict[str, list[Any]], jobs: int = 2, output: str
     import pandas as pd
 
     pts = points(grid)
-    base_key = {k: v for k, v in base.__dict__.items() if k not in ("warnings", "host_costs")}
-    todo = [(base, p, point_id(p, base_key)) for p in pts]
+    todo = [(base, p, point_id(p, _base_key(base))) for p in pts]
     out = Path(output) if output else None
     done = _done_ids(out) if out else set()
     todo = [t for t in todo if t[2] not in done]

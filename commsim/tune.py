@@ -161,7 +161,7 @@ def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max
     ds, start = _start(base)
     stage = int(ds["zero_optimization"]["stage"])
     if stage not in (1, 2, 3):
-        raise CommsimInputError(f"commsim tune: ZeRO stage {stage} has nothing to tune; use stage 1, 2 or 3")
+        raise CommsimInputError(f"ZeRO stage {stage} has nothing to tune; use stage 1, 2 or 3")
     dims = dimensions or [d for d in DIMENSIONS if stage == 3 or d not in STAGE3_ONLY]
     for d in dims:
         if d not in DIMENSIONS:
@@ -189,7 +189,7 @@ def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max
         current = evaluate([dict(start)])[0]
         base_eval = current
         if base_eval.row.get("error"):
-            raise CommsimInputError(f"commsim tune: the starting point does not predict: {base_eval.row['error']}")
+            raise CommsimInputError(f"the starting point does not predict: {base_eval.row['error']}")
         steps: list[tuple[str, Any, Any, Evaluation, Evaluation]] = []
         rounds = 0
         for rounds in range(1, max_rounds + 1):

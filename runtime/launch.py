@@ -8,6 +8,10 @@ rank's records to rank 0, which writes the measured trace atomically.
 dies or fails it stops all the others and reports which rank failed at which op: the
 failing rank's own message when it could write one, else the op it was issuing (a
 shared progress array every rank updates).
+
+``execute()`` and ``calibrate()`` are what ``commsim execute`` and ``commsim calibrate``
+run: as one rank of a job torchrun / srun started (the environment names the rank), or
+by starting the local ranks themselves.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from commsim.hardware.platform import platform_of_backend
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.serialize import schedule_hash
 from commsim.ir.text import op_to_text
@@ -63,7 +68,7 @@ def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | 
     sys.setswitchinterval(0.0002)
     try:
         schedule = load_schedule_any(cfg.schedule_path)
-        if cfg.backend == "nccl":
+        if _queues_on_gpu(cfg.backend):
             torch.cuda.set_device(local_rank)
         dist.init_process_group(cfg.backend, init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s))
@@ -108,8 +113,13 @@ def _arm_failure(schedule, rank: int, op_id: int, opts) -> None:
     opts.progress = Tripwire()
 
 
+def _queues_on_gpu(backend: str) -> bool:
+    """The backend's platform queues kernels on a GPU: each rank needs a device of its own."""
+    return not platform_of_backend(backend).inline_kernels
+
+
 def _machine(backend: str) -> str:
-    if backend == "nccl" and torch.cuda.is_available():
+    if _queues_on_gpu(backend) and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, torch {torch.__version__}"
     return f"{os.cpu_count()} CPU cores ({os.uname().machine}), torch {torch.__version__}, gloo"
 
@@ -126,8 +136,9 @@ def launch_local(cfg: ExecConfig, nproc: int, wall_timeout_s: float | None = Non
     if schedule.world_size != nproc:
         raise CommsimInputError(f"{cfg.schedule_path}: the schedule has {schedule.world_size} ranks; "
                                 f"--nproc-per-node {nproc} starts {nproc}")
-    if cfg.backend == "nccl" and torch.cuda.device_count() < nproc:
-        raise CommsimInputError(f"--backend nccl: {nproc} ranks need {nproc} GPUs, found {torch.cuda.device_count()}")
+    if _queues_on_gpu(cfg.backend) and torch.cuda.device_count() < nproc:
+        raise CommsimInputError(f"--backend {cfg.backend}: {nproc} ranks need {nproc} GPUs, "
+                                f"found {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     progress = ctx.Array("q", [-1] * nproc, lock=False)
     port = _free_port()
@@ -195,7 +206,7 @@ def _calibrate_rank(rank: int, world: int, port: int, backend: str, quick: bool,
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.setswitchinterval(0.0002)  # as in worker(): measure the executor as it will run
     try:
-        if backend == "nccl":
+        if _queues_on_gpu(backend):
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
@@ -230,7 +241,7 @@ def calibrate_env(backend: str, out: str, quick: bool = False, shapes: tuple = (
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.setswitchinterval(0.0002)
-    if backend == "nccl":
+    if _queues_on_gpu(backend):
         torch.cuda.set_device(local)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -274,3 +285,80 @@ def calibrate_local(nproc: int, backend: str, out: str, quick: bool = False, wal
 
 class ExecutionFailed(RuntimeError):
     """The run ended because a rank died or failed (message names the rank and op)."""
+
+
+def execute(cfg: ExecConfig, nproc: int | None = None) -> Trace | None:
+    """Run a schedule (``cfg``) and return the measured trace rank 0 wrote: as one rank of
+    a job torchrun / srun started (None on the other ranks), or as ``nproc`` local ranks
+    (default: the schedule's size)."""
+    from commsim.ir.load import load_schedule_any
+    from commsim.ir.validate import check_valid
+    from runtime.executor import env_rank
+
+    schedule = load_schedule_any(cfg.schedule_path)
+    check_valid(schedule, cfg.schedule_path)
+    env = env_rank()
+    if env is None:
+        return launch_local(cfg, nproc or schedule.world_size)
+    rank, world, local = env
+    if world != schedule.world_size:
+        raise CommsimInputError(f"{cfg.schedule_path}: the schedule has {schedule.world_size} ranks, the launcher "
+                                f"started {world}")
+    worker(cfg, rank, world, local, "env://")
+    return Trace.load(cfg.output) if rank == 0 else None
+
+
+def gemm_shapes(paths: list[str]) -> tuple[tuple[str, int, int, int, int], ...]:
+    """(dtype, m, n, k, batch) of every GEMM / attention matmul in these schedule files,
+    in each one's precision (what ``calibrate --schedule`` times)."""
+    from commsim.ir import ops as O
+    from commsim.ir.load import load_schedule_any
+
+    out: dict[tuple, None] = {}
+    for path in paths:
+        schedule = load_schedule_any(path)
+        dtype = schedule.meta.precision or "fp32"  # the loader checked it is one of PRECISIONS
+        for program in schedule.programs:
+            for op in program.step:
+                if isinstance(op, O.Compute) and op.gemm is not None:
+                    out[(dtype, op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch)] = None
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """Where a calibration ran: its ranks, whether the environment started them, and
+    whether this process wrote the profile (rank 0)."""
+
+    ranks: int
+    from_env: bool
+    wrote: bool
+
+
+def calibrate(out: str, backend: str = "gloo", nproc: int = 2, quick: bool = False, schedules: tuple[str, ...] = (),
+              deepspeed_host_costs: bool = False, log=None) -> Calibrated:
+    """Measure this machine into the hardware profile ``out``: as one rank of a job
+    torchrun / srun started, or as ``nproc`` local ranks; ``schedules``' GEMM shapes are
+    timed too; ``deepspeed_host_costs`` (local ranks only) adds real DeepSpeed's hook
+    costs to the profile."""
+    import json
+
+    from runtime.executor import env_rank
+
+    shapes = gemm_shapes(list(schedules))
+    found = env_rank()
+    if found is not None:  # one rank of a job someone else launched (torchrun, srun)
+        if deepspeed_host_costs:
+            raise CommsimInputError("--deepspeed-host-costs: run it without torchrun (it launches its own ranks)")
+        calibrate_env(backend, out, quick=quick, shapes=shapes)
+        return Calibrated(found[1], True, found[0] == 0)
+    calibrate_local(nproc, backend, out, quick=quick, shapes=shapes)
+    if deepspeed_host_costs:
+        from commsim.util.files import atomic_write_text
+        from runtime.calibrate_ds import measure_host_costs
+
+        costs = measure_host_costs(nproc, out, log=log or (lambda m: None))
+        profile = json.loads(Path(out).read_text())
+        profile["host_costs"] = costs
+        atomic_write_text(out, json.dumps(profile, indent=1))
+    return Calibrated(nproc, False, True)

@@ -3,7 +3,10 @@
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
+
+import pytest
 
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
@@ -55,11 +58,25 @@ def test_bad_files_exit_2_with_one_line(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_bad_flag_is_one_line():
+def test_bad_flag_is_one_line_with_one_prefix():
     out = run("models", "tiny", "--micro-batch", "0")
     assert out.returncode == 2
-    assert out.stderr == ("commsim: error: commsim models: argument --micro-batch: expected a positive integer, "
+    assert out.stderr == ("commsim: error: argument --micro-batch: expected a positive integer, "
                           "got 0 (see 'commsim models --help')\n")
+    out = run("frobnicate")
+    assert out.returncode == 2
+    assert out.stderr.startswith("commsim: error: argument COMMAND: invalid choice: 'frobnicate'")
+    assert out.stderr.count("commsim") == 2 and out.stderr.endswith("(see 'commsim --help')\n")
+    out = run("predict", "--nodes", "1", "--cluster", "p4d", "--stage", "3", "--grid")  # a flag predict lacks
+    assert (out.returncode, out.stderr) == (2, "commsim: error: unrecognized arguments: --grid (see 'commsim --help')\n")
+
+
+def test_input_errors_have_one_prefix(tmp_path):
+    out = run("sweep", "--model", "tiny", "-o", str(tmp_path / "s.csv"))
+    assert (out.returncode, out.stderr) == (2, "commsim: error: --grid: give at least one axis, NAME=V1,V2,...\n")
+    out = run("tune", "--model", "tiny", "--seq", "16", "--nodes", "1", "--stage", "0", "-o", str(tmp_path / "t.json"))
+    assert (out.returncode, out.stderr) == (2, "commsim: error: ZeRO stage 0 has nothing to tune; use stage 1, 2 "
+                                               "or 3\n")
 
 
 def test_models_json():
@@ -167,3 +184,96 @@ def test_predict_with_a_measured_profile(tmp_path):
     assert res["step_time_s"] > 0 and res["mode"] == "symmetric"
     out = run("predict", "--hw-profile", str(tmp_path / "missing.json"))
     assert out.returncode == 2 and "missing.json: cannot read" in out.stderr
+
+
+TINY = ["--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16"]
+
+
+def _inputs(tmp_path, tiny_schedule):
+    """A schedule and a sweep table for the commands that read one."""
+    from tests.test_tune_plots import SWEEP
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    save_schedule(tiny_schedule, inp / "s.json")
+    SWEEP.to_csv(inp / "t.csv", index=False)
+    return inp
+
+
+# every command that writes a file, with the flag that names it
+WRITERS = [
+    ("show {in}/s.json -o {out}", "-o"),
+    ("schedule " + " ".join(TINY) + " -o {out}", "-o"),
+    ("predict " + " ".join(TINY) + " --trace {out}", "--trace"),
+    ("predict " + " ".join(TINY) + " --plot {out}", "--plot"),
+    ("predict " + " ".join(TINY) + " --plot-memory {out}", "--plot-memory"),
+    ("sweep " + " ".join(TINY) + " --grid stage=2,3 -o {out}", "-o"),
+    ("tune " + " ".join(TINY) + " --search reduce_bucket_size -o {out}", "-o"),
+    ("plot stalls {in}/t.csv -o {out}", "-o"),
+    ("execute {in}/s.json -o {out}", "-o"),
+    ("calibrate --quick -o {out}", "-o"),  # before this check, it failed after minutes of measuring
+]
+
+
+@pytest.mark.parametrize("command,flag", WRITERS, ids=[f"{c.split()[0]} {f}" for c, f in WRITERS])
+def test_output_in_a_missing_folder_fails_first_with_one_line(tmp_path, tiny_schedule, capsys, command, flag):
+    from commsim.cli import main
+
+    inp = _inputs(tmp_path, tiny_schedule)
+    before = sorted(p for p in tmp_path.rglob("*"))
+    out = tmp_path / "missing" / "out.file"
+    t = time.perf_counter()
+    rc = main(command.format(**{"in": inp, "out": out}).split())
+    assert time.perf_counter() - t < 5  # no work done
+    assert (rc, capsys.readouterr().err) == (2, f"commsim: error: {flag} {out}: folder {out.parent} does not exist\n")
+    assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing left behind
+
+
+def test_output_that_is_a_folder_or_unwritable(tmp_path, capsys):
+    from commsim.cli import main
+
+    assert main(["predict", *TINY, "--plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"commsim: error: --plot {tmp_path}: is a folder; give a file name\n"
+    assert main(["schedule", *TINY, "-o", "/sys/s.json"]) == 2  # not writable, even for root
+    assert capsys.readouterr().err.startswith("commsim: error: -o /sys/s.json: folder /sys is not writable (")
+    assert main(["schedule", *TINY, "-o", str(tmp_path / "s.json")]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # the writability probe left nothing
+
+
+def test_record_output_folder_is_checked_first(tmp_path, capsys):
+    from commsim.cli import main
+
+    out = tmp_path / "missing" / "rec"
+    assert main(["record", "-o", str(out), "--", "true"]) == 2
+    assert capsys.readouterr().err == f"commsim: error: -o {out}: folder {out.parent} does not exist\n"
+    (tmp_path / "file").write_text("")
+    assert main(["record", "-o", str(tmp_path / "file"), "--", "true"]) == 2
+    assert capsys.readouterr().err == f"commsim: error: -o {tmp_path / 'file'}: exists and is not a folder\n"
+
+
+def test_predict_json_echoes_the_values_it_used(tmp_path):
+    res = predict_json("--model", "tiny", "--nodes", "2", "--seq", "16")
+    sc = res["scenario"]
+    assert (sc["net"], sc["stage"], sc["gpus_per_node"], sc["micro_batch"]) == ("efa", 3, 8, 16)  # were all null
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}')
+    sc = predict_json("--model", "tiny", "--nodes", "2", "--seq", "16", "--cluster", "dgx-a100",
+                      "--ds-config", str(cfg))["scenario"]
+    assert (sc["net"], sc["stage"], sc["gpus_per_node"], sc["micro_batch"]) == ("ib", 2, 8, 4)
+    sc = predict_json("--model", "tiny", "--nodes", "2", "--seq", "16", "--net", "ib", "--gpus-per-node", "4",
+                      "--micro-batch", "2", "--stage", "1")["scenario"]
+    assert (sc["net"], sc["stage"], sc["gpus_per_node"], sc["micro_batch"]) == ("ib", 1, 4, 2)
+
+
+def test_more_gpus_per_node_than_the_preset_is_a_warned_what_if():
+    out = run("predict", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "16", "--micro-batch", "2",
+              "--seq", "16")
+    assert out.returncode == 0 and "= 16 GPUs" in out.stdout  # still accepted
+    assert out.stderr == ("commsim: warning: --gpus-per-node 16: a p4d node has 8 GPUs; simulating 16 per node as a "
+                          "what-if (its NVLink and NICs shared by all of them)\n")  # was silent
+    out = run("schedule", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "16", "--cluster", "p5",
+              "--micro-batch", "2", "--seq", "16")
+    assert out.returncode == 0 and out.stderr.startswith("commsim: warning: --gpus-per-node 16: a p5 node has 8 GPUs")
+    out = run("schedule", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2",
+              "--seq", "16")
+    assert out.returncode == 0 and out.stderr == ""  # part of a node is ordinary

@@ -130,7 +130,7 @@ def test_the_cycle_finder_finds_cycles():
 
 
 # the command line's modules that run the runtime (execute, calibrate, record)
-RUNS_RUNTIME = ("commsim.cli",)
+RUNS_RUNTIME = ("commsim.cli.measure",)
 
 
 def test_only_the_command_line_imports_runtime_and_only_inside_a_command():

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 
 from commsim.api import Scenario
@@ -44,3 +45,18 @@ def test_sweep_cli(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"{out}: 4 rows (0 with errors)"
     assert "sweep [" in res.stderr and "4/4 points" in res.stderr
+
+
+def test_sweep_cli_fails_when_a_point_fails(tmp_path):
+    out = tmp_path / "s.csv"
+    args = [sys.executable, "-m", "commsim.cli", "sweep", "--model", "tiny", "--nodes", "2", "--micro-batch", "2",
+            "--seq", "16", "--grid", "net=efa,infiniband", "--quiet", "-o", str(out)]
+    res = subprocess.run(args, capture_output=True, text=True)
+    assert res.returncode == 1  # was 0
+    assert res.stdout == f"{out}: 2 rows (1 with errors)\n"
+    assert res.stderr.splitlines()[-1] == f"commsim: 1 of 2 points failed; the error column of {out} says why"
+    rows = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert sorted(rows["net"]) == ["efa", "infiniband"]  # the good point is written too
+    assert rows.set_index("net").loc["infiniband", "error"].startswith("--net 'infiniband': allowed:")
+    res = subprocess.run(args, capture_output=True, text=True)  # resumed: the failed point is still failed
+    assert res.returncode == 1 and "1 of 2 points failed" in res.stderr

@@ -7,6 +7,7 @@ import sys
 
 import pandas as pd
 import pytest
+from matplotlib.colors import to_rgba
 
 from commsim.api import Scenario, predict
 from commsim.report import plots
@@ -92,8 +93,9 @@ def test_scaling_plot_draws_one_line_per_group_without_failed_points():
 def test_stall_bars_split_each_step_into_compute_and_causes():
     fig = plots.stall_bars(SWEEP, label=["nodes", "preset"])
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["1 baseline", "2 baseline", "4 baseline", "1 optimized",
-                                                            "2 optimized"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["nodes=1 preset=baseline", "nodes=2 preset=baseline",
+                                                            "nodes=4 preset=baseline", "nodes=1 preset=optimized",
+                                                            "nodes=2 preset=optimized"]
     # each bar's segments end at its step time
     for i, step in enumerate(SWEEP["step_time_s"][:5]):
         right = max(p.get_x() + p.get_width() for p in ax.patches if abs(p.get_y() + p.get_height() / 2 - i) < 1e-9)
@@ -108,7 +110,52 @@ def test_memory_and_timeline_plots_of_a_prediction(tmp_path):
     plots.save_png(fig, tmp_path / "m.png")
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     fig = plots.timeline(pred.result)
-    assert "stall: all_gather" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "stall: all_gather" in [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+
+def test_stall_colours_are_their_own():
+    """A stall strip must not look like an op running: every stall cause's colour is far
+    from every op kind's colour, and from every other cause's."""
+    from matplotlib.colors import to_rgb
+
+    def far(a, b):
+        return sum((x - y) ** 2 for x, y in zip(to_rgb(a), to_rgb(b))) ** 0.5 > 0.2
+
+    stall = [plots.STALL_COLOURS[c] for c in STALL_CAUSES]
+    assert all(far(s, op) for s in stall for op in plots.COLOURS.values())
+    assert all(far(a, b) for i, a in enumerate(stall) for b in stall[i + 1:])
+
+
+def test_timeline_legends_clear_the_axis_label():
+    pred = predict(Scenario(model="tiny", nodes=1, gpus_per_node=2, micro_batch=2, seq=16))
+    fig = plots.timeline(pred.result)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    label = fig.axes[0].xaxis.label.get_window_extent(renderer)
+    ticks = fig.axes[0].xaxis.get_tightbbox(renderer)
+    page = fig.bbox
+    assert len(fig.legends) == 2
+    for legend in fig.legends:
+        box = legend.get_window_extent(renderer)
+        assert not box.overlaps(label) and not box.overlaps(ticks)  # the legend covered "time (s)"
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+    a, b = (legend.get_window_extent(renderer) for legend in fig.legends)
+    assert not a.overlaps(b)
+
+
+def test_stall_bars_table_gives_every_value_its_column():
+    fig = plots.stall_bars(SWEEP, label="nodes")
+    table = fig.axes[1]
+    texts = [t.get_text() for t in table.texts]
+    causes = [c for c in STALL_CAUSES]  # every cause is non-zero from the second row on
+    header = ["step", "compute", *(c.replace("_", "\n", 1) for c in causes)]
+    assert texts[-len(header):] == header
+    first = texts[:len(header)]  # row 0: step 1.0, no stalls
+    assert first == ["1.000", "1.000"] + ["-"] * len(causes)
+    second = texts[len(header):2 * len(header)]
+    assert second == ["1.200", f"{1.2 - 0.01 * len(causes):.3f}"] + ["0.010"] * len(causes)
+    assert [p.get_facecolor() for p in table.patches] == [
+        tuple(to_rgba(plots.STALL_COLOURS[c])) for c in ("compute", *causes)]
 
 
 def test_plot_cli(tmp_path):

@@ -173,10 +173,12 @@ def _check_deps(program: Program, rank: int) -> list[Finding]:
     for section, seq in (("setup", program.setup), ("step", program.step)):
         for i, op in enumerate(seq):
             for d in O.op_deps(op):
+                # name the op by its id, as deps do: its index (the location) differs from it
                 if d not in loc.where:
-                    out.append(_finding("dependency", f"depends on op {d}, which does not exist", rank, section, i, op))
+                    out.append(_finding("dependency", f"op {op.id} depends on op {d}, which does not exist", rank,
+                                        section, i, op))
                 elif d == op.id:
-                    out.append(_finding("dependency", "depends on itself", rank, section, i, op))
+                    out.append(_finding("dependency", f"op {op.id} depends on itself", rank, section, i, op))
     if out:
         return out
     # Edges: explicit deps, and stream FIFO order between consecutive device ops.

@@ -80,3 +80,23 @@ def align(expected: list[Key], recorded: list[TraceRecord]) -> Alignment:
         r = seq[best_start + best_len] if best_start + best_len < len(seq) else None
         mismatch = (e, r)
     return Alignment(n, matches, best_start, max(best_len, 0), mismatch)
+
+
+def format_alignment(a: Alignment) -> str:
+    """One line: where the schedule's step occurs in the recording, or where they part."""
+    if a.ok:
+        where = ", ".join(f"call {i} (step {s})" for i, s in a.matches)
+        return f"match: the schedule's {a.expected} collectives per step occur in the recording at {where}"
+    exp, rec = a.mismatch or (None, None)
+    return (f"no match: the longest agreement is {a.best_length} of {a.expected} collectives from recorded call "
+            f"{a.best_start}; then the schedule has {exp} and the recording {rec}")
+
+
+def describe_recording(trace: Trace) -> str:
+    """A recorded trace in a few words: its calls, steps and calls by kind."""
+    kinds: dict[str, int] = {}
+    for r in trace.records:
+        kinds[r.kind] = kinds.get(r.kind, 0) + 1
+    steps = 1 + max((r.step for r in trace.records), default=0)
+    desc = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+    return f"{len(trace.records)} calls over {steps} step(s): {desc}"

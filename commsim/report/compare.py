@@ -139,3 +139,30 @@ def compare(predicted: Trace, measured: Trace, rank: int = 0) -> Comparison:
             errors.append(((p - m) / m if m else 0.0, p, int(m), r))
     spread = (max(step_times) - min(step_times)) / 2 if step_times else 0.0
     return Comparison(float(pv.step_ns), float(statistics.mean(step_times)), float(spread), pv, mv, errors)
+
+
+def format_comparison(c: Comparison, n_worst: int = 8) -> str:
+    """The comparison as a text table (times in ms, op durations in us), one line per figure."""
+    lines = [f"step time: predicted {c.predicted_step_ns / 1e6:.2f} ms, measured {c.measured_step_ns / 1e6:.2f} ms "
+             f"(+- {c.measured_step_spread_ns / 1e6:.2f}): error {c.step_time_error_frac:+.1%}",
+             f"{'busy per stream':<22}{'predicted ms':>14}{'measured ms':>14}"]
+
+    def row(name: str, p_ns: float, m_ns: float) -> str:
+        return f"  {name:<20}{p_ns / 1e6:>14.2f}{m_ns / 1e6:>14.2f}"
+
+    for s in sorted(set(c.predicted.busy_by_stream) | set(c.measured.busy_by_stream)):
+        lines.append(row(s, c.predicted.busy_by_stream.get(s, 0), c.measured.busy_by_stream.get(s, 0)))
+    lines.append(f"{'busy per phase':<22}")
+    for s in sorted(set(c.predicted.busy_by_phase) | set(c.measured.busy_by_phase)):
+        lines.append(row(s, c.predicted.busy_by_phase.get(s, 0), c.measured.busy_by_phase.get(s, 0)))
+    lines.append(row("communication", c.predicted.comm_ns, c.measured.comm_ns))
+    lines.append(row("exposed comm.", c.predicted.exposed_comm_ns, c.measured.exposed_comm_ns))
+    pc = c.percentiles()
+    if pc:
+        lines.append(f"per-op duration error over {len(c.op_errors)} ops: p10 {pc['p10']:+.0%}, median "
+                     f"{pc['p50']:+.0%}, p90 {pc['p90']:+.0%}")
+    lines.append("largest discrepancies:")
+    for _, p, m, r in c.worst(n_worst):
+        lines.append(f"  {p / 1e3:>10.1f} us predicted {m / 1e3:>10.1f} us measured  op {r.op_id} {r.kind} "
+                     f"{r.size_bytes or ''} \"{r.label}\"")
+    return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 * ``timeline``: one step per rank and stream, ops coloured by kind, the compute
   stream's stalls shaded by cause, host blocks hatched, allocator flushes marked;
-* ``stall_bars``: where each scenario's step time goes (compute, then each stall cause);
+* ``stall_bars``: where each scenario's step time goes (compute, then each stall cause),
+  with a table of the seconds beside the bars; bars named column=value;
 * ``scaling``: a metric (TFLOPS per GPU by default) against cluster size, one line per
   group of a sweep table;
 * ``memory``: allocated and reserved memory over the step, flushes marked.
@@ -26,10 +27,13 @@ COLOURS = {
     "embedding": "#64b5cd", "all_gather": "#dd8452", "reduce_scatter": "#c44e52", "all_reduce": "#da8bc3",
     "broadcast": "#ccb974", "copy": "#8c8c8c", "host": "#bbbbbb",
 }
+# Stall causes get a palette of their own, far from every op kind's colour, so that a
+# strip of "waiting for all-gather" is never read as an all-gather running (from
+# Trubetskoy's 20 distinct colours). "compute" (busy) in the stall bars is the GEMM colour.
 STALL_COLOURS = {
-    "compute": "#4c72b0", "all_gather": "#dd8452", "reduce_scatter": "#c44e52", "other_comm": "#da8bc3",
-    "straggler": "#8c564b", "host": "#7f7f7f", "allocator_flush": "#d62728", "allocator": "#ff9896",
-    "other": "#c7c7c7",
+    "compute": COLOURS["gemm"], "all_gather": "#ffe119", "reduce_scatter": "#f032e6", "other_comm": "#bfef45",
+    "straggler": "#000000", "host": "#000075", "allocator_flush": "#800000", "allocator": "#aaffc3",
+    "other": "#dcbeff",
 }
 
 
@@ -79,7 +83,8 @@ def timeline(result: SimResult, title: str = "", max_ranks: int = 4, ranks: Sequ
         rows.extend((r, s) for s in streams)
         rows.append((r, HOST))
     index = {row: i for i, row in enumerate(rows)}
-    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.8))
+    # constrained layout keeps room below the axis for the legends (tight_layout did not)
+    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 2.6), layout="constrained")
     scale, unit = _scale(result.step_time_ns)
     for r in ranks:
         rr = result.ranks[r]
@@ -112,11 +117,12 @@ def timeline(result: SimResult, title: str = "", max_ranks: int = 4, ranks: Sequ
     ax.set_ylim(len(rows) - 0.4, -0.6)
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title or "step timeline", fontsize=9)
-    legend = [Patch(color=c, label=k) for k, c in COLOURS.items()]
-    legend.append(Patch(facecolor="none", edgecolor="#444444", hatch="///", label="host blocked"))
-    legend += [Patch(color=STALL_COLOURS[c], label=f"stall: {c}") for c in STALL_CAUSES]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=7, fontsize=7)
-    fig.tight_layout()
+    ops = [Patch(color=c, label=k) for k, c in COLOURS.items()]
+    ops.append(Patch(facecolor="none", edgecolor="#444444", hatch="///", label="host blocked"))
+    stalls = [Patch(color=STALL_COLOURS[c], label=f"stall: {c}") for c in STALL_CAUSES]
+    fig.legend(handles=ops, loc="outside lower left", ncol=6, fontsize=7, title="ops by kind", title_fontsize=7)
+    fig.legend(handles=stalls, loc="outside lower right", ncol=4, fontsize=7, title_fontsize=7,
+               title="compute stream idle, by cause (the strip under each compute row)")
     return fig
 
 
@@ -134,7 +140,8 @@ def _stall_rows(items: Any, label: str | Sequence[str] | None) -> list[tuple[str
             if (isinstance(err, str) and err) or (isinstance(oom, str) and oom):
                 continue  # no step time to split
             stalls = {c: float(row.get(f"stall_{c}_s", 0.0) or 0.0) for c in STALL_CAUSES}
-            name = " ".join(f"{row[c]}" for c in cols) if cols else str(row.get("point_id", ""))
+            # name=value: "2 efa 2" did not say which value is the stage and which the nodes
+            name = " ".join(f"{c}={row[c]}" for c in cols) if cols else str(row.get("point_id", ""))
             rows.append((name, float(row["step_time_s"]) - sum(stalls.values()), stalls))
         return rows
     for name, m in items:
@@ -145,11 +152,20 @@ def _stall_rows(items: Any, label: str | Sequence[str] | None) -> list[tuple[str
 
 def stall_bars(items: Any, label: str | Sequence[str] | None = None, title: str = ""):
     """Horizontal stacked bars: each scenario's step time as compute plus each stall
-    cause. ``items``: a sweep DataFrame (``label`` names the column(s) to label bars
-    by) or an iterable of ``(label, Metrics)``."""
+    cause, and beside them a table of the same seconds, one row per bar and one column
+    per cause (its colour above its name: the table is the legend). ``items``: a sweep
+    DataFrame (``label`` names the column(s) to label bars by, as column=value) or an
+    iterable of ``(label, Metrics)``."""
     plt = _plt()
+    from matplotlib.patches import Rectangle
+
     rows = _stall_rows(items, label)
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.6))
+    present = [c for c in ("compute", *STALL_CAUSES)
+               if any((compute if c == "compute" else stalls[c]) >= _SHOWN_S for _, compute, stalls in rows)]
+    columns = ["step", *present]
+    fig, (ax, table) = plt.subplots(1, 2, sharey=True, layout="constrained",
+                                    figsize=(7 + 0.6 * len(columns), 0.45 * len(rows) + 2.0),
+                                    width_ratios=(7, 0.6 * len(columns)))
     for i, (name, compute, stalls) in enumerate(rows):
         left = 0.0
         for cause, value in (("compute", compute), *stalls.items()):
@@ -157,17 +173,35 @@ def stall_bars(items: Any, label: str | Sequence[str] | None = None, title: str 
                 continue
             ax.barh(i, value, left=left, color=STALL_COLOURS[cause], label=cause)
             left += value
-    handles, labels = ax.get_legend_handles_labels()
-    seen = dict(zip(labels, handles))
-    order = [c for c in ("compute", *STALL_CAUSES) if c in seen]
-    ax.legend([seen[c] for c in order], order, fontsize=7, loc="lower right")
+        values = {"step": left, "compute": compute, **stalls}
+        for j, c in enumerate(columns):
+            shown = _seconds(values[c]) if values[c] >= _SHOWN_S else "-"
+            table.text((j + 0.5) / len(columns), i, shown, transform=table.get_yaxis_transform(),
+                       ha="center", va="center", fontsize=7)
+    # header: each cause's colour, then its name (on two lines where it has two words)
+    for j, c in enumerate(columns):
+        x = (j + 0.5) / len(columns)
+        if c != "step":
+            table.add_patch(Rectangle((x - 0.3 / len(columns), -1.55), 0.6 / len(columns), 0.3,
+                                      transform=table.get_yaxis_transform(), color=STALL_COLOURS[c],
+                                      clip_on=False))
+        table.text(x, -0.85, c.replace("_", "\n", 1), transform=table.get_yaxis_transform(), ha="center",
+                   va="center", fontsize=7)
+    table.axis("off")
+    table.set_title("seconds", fontsize=8)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([r[0] for r in rows], fontsize=8)
-    ax.invert_yaxis()
+    ax.set_ylim(len(rows) - 0.5, -1.7)  # top to bottom, with room for the table's header
     ax.set_xlabel("seconds per step (compute stream: busy, then idle by cause)")
     ax.set_title(title or "where the step time goes", fontsize=9)
-    fig.tight_layout()
     return fig
+
+
+_SHOWN_S = 0.0005  # below the table's resolution
+
+
+def _seconds(v: float) -> str:
+    return f"{v:.3f}"
 
 
 def scaling(df: Any, x: str = "nodes", y: str = "model_tflops_per_gpu", hue: str | Sequence[str] | None = None,

@@ -154,3 +154,18 @@ def test_leak_and_forward_wait():
     assert [(f.check, f.op_index) for f in findings] == [("dependency", 1), ("buffer", None)]
     assert "issued later (step op 2)" in findings[0].message
     assert "never freed" in findings[1].message
+
+
+def test_dangling_dependency_names_the_op_by_its_id():
+    # ids are not indices: a setup comes first and ids start at 10, as in generated schedules
+    a = O.Alloc(O.OpId(10), "compute", "", "x", 512)
+    k1 = O.Compute(O.OpId(20), "compute", "", O.ComputeKind.ELEMENTWISE, 1, 1, 1, buffers=("x",))
+    k2 = O.Compute(O.OpId(21), "compute", "", O.ComputeKind.ELEMENTWISE, 1, 1, 1, deps=(O.OpId(99),), buffers=("x",))
+    k3 = O.Compute(O.OpId(22), "compute", "", O.ComputeKind.ELEMENTWISE, 1, 1, 1, deps=(O.OpId(22),))
+    findings = validate(Schedule.uniform(1, Program((a,), (k1, k2, k3))))
+    assert [f.line() for f in findings] == [
+        "rank 0, step op 1: dependency: op 21 depends on op 99, which does not exist "
+        "`21 compute stream=compute kind=elementwise flops=1 bytes_read=1 bytes_written=1 deps=99 buffers=x label=\"\"`",
+        "rank 0, step op 2: dependency: op 22 depends on itself "
+        "`22 compute stream=compute kind=elementwise flops=1 bytes_read=1 bytes_written=1 deps=22 label=\"\"`",
+    ]

@@ -1,0 +1,123 @@
+"""What every subcommand shares: the one-line-error parser, flag types and flag groups,
+checks of output paths made before any work, and warnings.
+
+Usage errors and input errors alike become a ``CommsimInputError``, which ``main``
+prints as one line (``commsim: error: ...``) and turns into exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from commsim.ir.errors import CommsimInputError
+
+EXIT_BAD_INPUT = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line (and still exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # main() adds the one "commsim: error:" prefix; the help hint names the subcommand
+        raise CommsimInputError(f"{message} (see '{self.prog} --help')")
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def need_torch(what: str) -> None:
+    """A clear error, before any work, when a command that runs ranks has no torch."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise CommsimInputError(f"{what} needs torch: pip install 'commsim[runtime]'")
+
+
+def add_scenario_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that describe a model, a world and a DeepSpeed config (schedule, predict)."""
+    p.add_argument("--model", default="roberta-10b",
+                   help="model preset, path to a Hugging Face config.json, or module:function returning a "
+                   "torch.nn.Module (walked on the meta device; needs torch) (default roberta-10b)")
+    p.add_argument("--nodes", type=positive_int, default=8, help="number of nodes (default 8)")
+    p.add_argument("--gpus-per-node", type=positive_int, help="GPUs per node (default: the cluster's, 8)")
+    p.add_argument("--cluster", default="p4d",
+                   help="node preset: p4d (default), p5, dgx-a100, dgx-h100, p3dn, azure-ndm-a100")
+    p.add_argument("--ds-config", metavar="FILE",
+                   help="DeepSpeed config JSON (default: ZeRO-3, bf16, DeepSpeed's defaults)")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 3, or the config's)")
+    p.add_argument("--preset", default="optimized", help="knob preset: optimized (default) or baseline")
+    p.add_argument("--knob", action="append", metavar="NAME=VALUE",
+                   help="override one knob, e.g. --knob coalesced_collectives=false (repeatable); knobs: "
+                   "fine_grained_sync, precomputed_fetch, coalesced_collectives, flat_collectives, "
+                   "defragment_persistent, fused_grad_norm, debug_string_ops, max_outstanding_coalesced")
+    p.add_argument("--micro-batch", type=positive_int,
+                   help="sequences per GPU per micro-step (default: the config's, else 16)")
+    p.add_argument("--seq", type=positive_int, default=512, help="sequence length (default 512)")
+    p.add_argument("--no-checkpointing", action="store_true",
+                   help="disable layer-wise activation checkpointing (on by default)")
+    p.add_argument("--checkpoint-style", choices=("reentrant", "non_reentrant"), default="reentrant",
+                   help="torch.utils.checkpoint flavour: reentrant (Hugging Face's default) recomputes a layer "
+                   "before its backward hooks; non_reentrant after the first one")
+
+
+def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> None:
+    """The fabric and measured profile (predict, sweep, tune), and the simulation mode flags."""
+    p.add_argument("--net", choices=("efa", "ib"), help="inter-node fabric: efa or ib (default: the cluster's own)")
+    p.add_argument("--hw-profile", metavar="FILE", help="measured hardware profile (from commsim calibrate)")
+    if not simulation:  # symmetric simulation, as the search compares configs, not noise
+        p.set_defaults(mode="auto", seed=0, jitter=None)
+        return
+    p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto",
+                   help="symmetric: simulate one rank for identical ranks (fast); per-rank: every rank, with "
+                   "jitter, stragglers, per-rank allocator flushes and, from a profile that measured it, each rank's "
+                   "speed drift (the median of 9 seeded steps) (default auto: symmetric when ranks are identical and "
+                   "the profile measured no drift)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-rank jitter RNG (default 0)")
+    p.add_argument("--jitter", type=float,
+                   help="relative std-dev of compute kernel times per rank (default 0.01 per-rank, 0 symmetric)")
+
+
+def check_outputs(*outputs: tuple[str, str | None]) -> None:
+    """Before any work: every ``(flag, path)`` given can be written as a file (its folder
+    exists and is writable, the path is not a folder)."""
+    from commsim.util.files import output_problem
+
+    for flag, path in outputs:
+        if path is not None:
+            problem = output_problem(path)
+            if problem:
+                raise CommsimInputError(f"{flag} {path}: {problem}")
+
+
+def check_output_folder(flag: str, path: str) -> None:
+    """Before any work: files can be written into the folder ``path`` (or it can be
+    made: its parent exists)."""
+    from commsim.util.files import output_folder_problem
+
+    problem = output_folder_problem(path)
+    if problem:
+        raise CommsimInputError(f"{flag} {path}: {problem}")
+
+
+def warn(message: str) -> None:
+    """One line on stderr; the command goes on."""
+    print(f"commsim: warning: {message}", file=sys.stderr)
+
+
+def warn_what_ifs(cluster: str, gpus_per_node: int | None) -> None:
+    """Warn about settings accepted as what-ifs that no real node of the preset has: more
+    GPUs per node than the preset's (fewer, part of a node, is ordinary)."""
+    from commsim.hardware.specs import NODE_PRESETS
+
+    node = NODE_PRESETS.get(cluster)
+    if node is not None and gpus_per_node is not None and gpus_per_node > node.gpus_per_node:
+        warn(f"--gpus-per-node {gpus_per_node}: a {cluster} node has {node.gpus_per_node} GPUs; simulating "
+             f"{gpus_per_node} per node as a what-if (its NVLink and NICs shared by all of them)")

@@ -1,0 +1,163 @@
+"""Subcommands that measure real runs (need torch): ``execute`` a schedule, ``calibrate``
+this machine, ``record`` a training command's collectives, and ``compare`` a prediction
+with a measurement (or a recording with a schedule)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from commsim.cli.common import check_output_folder, check_outputs, need_torch, positive_int
+from commsim.ir.errors import CommsimInputError
+from commsim.ir.load import load_schedule_any
+
+
+def cmd_execute(args: argparse.Namespace) -> int:
+    need_torch("execute")
+    check_outputs(("-o", args.output))
+    from runtime.launch import ExecConfig, execute
+
+    if args.steps < 1 or args.warmup < 0:
+        raise CommsimInputError("--steps must be >= 1 and --warmup >= 0")
+    cfg = ExecConfig(args.schedule, args.output, args.backend, args.steps, args.warmup, args.check_data,
+                     args.timeout)
+    trace = execute(cfg, args.nproc_per_node)
+    steps = trace.meta.get("step_times_ns", []) if trace is not None else []
+    if steps:
+        mean = sum(steps) / len(steps)
+        spread = (max(steps) - min(steps)) / 2
+        print(f"{args.output}: {len(steps)} measured step(s) after {args.warmup} warm-up: "
+              f"{mean / 1e6:.2f} ms +- {spread / 1e6:.2f} ms ({', '.join(f'{s / 1e6:.2f}' for s in steps)})")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    need_torch("calibrate")
+    check_outputs(("-o", args.output))
+    from runtime.launch import calibrate
+
+    done = calibrate(args.output, args.backend, args.nproc_per_node, quick=args.quick,
+                     schedules=tuple(args.schedule or ()), deepspeed_host_costs=args.deepspeed_host_costs,
+                     log=lambda m: print(f"calibrate: {m}", flush=True))
+    if done.from_env:
+        if done.wrote:
+            print(f"{args.output}: hardware profile of {done.ranks} {args.backend} ranks (from the environment)")
+        return 0
+    print(f"{args.output}: hardware profile of {done.ranks} {args.backend} ranks "
+          f"(use: commsim predict --hw-profile {args.output})")
+    return 0
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    need_torch("record")
+    check_output_folder("-o", args.output)
+    from commsim.ir.trace import Trace
+    from commsim.report.collectives import describe_recording
+    from runtime.record import run_recorded
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    out = Path(args.output)
+    rc = run_recorded(cmd, out)
+    files = sorted(out.glob("rank*.json"))
+    for f in files:
+        print(f"{f}: {describe_recording(Trace.load(f))}")
+    if not files:
+        print(f"commsim record: the command sent no collectives (nothing written to {out})", file=sys.stderr)
+    if rc != 0:
+        print(f"commsim record: the command exited with status {rc}", file=sys.stderr)
+    return rc
+
+
+def _compare_traces(args: argparse.Namespace) -> int:
+    from commsim.ir.trace import Trace
+    from commsim.report.compare import compare, format_comparison
+
+    pred, meas = Trace.load(args.first), Trace.load(args.second)
+    if pred.meta.schedule_hash and meas.meta.schedule_hash and pred.meta.schedule_hash != meas.meta.schedule_hash:
+        print("commsim: warning: the two traces come from different schedules (schedule hashes differ)",
+              file=sys.stderr)
+    try:
+        c = compare(pred, meas, args.rank)
+    except ValueError as e:
+        raise CommsimInputError(f"{args.first} vs {args.second}: {e}") from None
+    if args.json:
+        print(json.dumps(c.to_json(), indent=1))
+        return 0
+    print(format_comparison(c))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if not args.collectives:
+        return _compare_traces(args)
+    from commsim.report.collectives import (align, format_alignment, load_recorded, recorded_sequence,
+                                            schedule_sequence)
+
+    recorded = recorded_sequence(load_recorded(args.first, args.rank))
+    schedule = load_schedule_any(args.second)
+    a = align(schedule_sequence(schedule, args.rank), recorded)
+    if args.json:
+        print(json.dumps({"match": a.ok, "expected": a.expected, "matches": [list(m) for m in a.matches],
+                          "best_start": a.best_start, "best_length": a.best_length,
+                          "mismatch": a.mismatch}))
+        return 0 if a.ok else 1
+    print(format_alignment(a))
+    return 0 if a.ok else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("execute", help="run a schedule for real through torch.distributed and measure it",
+                       description="Run SCHEDULE on every rank (gloo on CPUs, NCCL with CUDA streams on GPUs): real "
+                       "buffers, kernels and collectives, per-op timestamps, written as a measured trace by rank 0. "
+                       "Under torchrun / srun it uses that environment; alone it starts the ranks itself. Needs torch.")
+    p.add_argument("schedule", help="schedule file")
+    p.add_argument("--nproc-per-node", type=positive_int, help="local ranks to start (default: the schedule's size)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (GPU)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps, not measured (default 1)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a collective may wait for its peers before the run fails (default 60)")
+    p.add_argument("--check-data", action="store_true",
+                   help="fill collectives with known values and check every result (small schedules)")
+    p.add_argument("-o", "--output", default="measured.json", help="measured trace (default measured.json)")
+    p.set_defaults(func=cmd_execute)
+
+    p = sub.add_parser("calibrate", help="measure this machine into a hardware profile for predict --hw-profile",
+                       description="Micro-benchmarks with the same backend and kernels the executor uses: GEMM "
+                       "throughput by size, memory-bound bandwidth, each collective kind's latency and bandwidth, "
+                       "compute/communication contention, executor overheads, allocation costs. Needs torch.")
+    p.add_argument("--nproc-per-node", type=positive_int, default=2, help="local ranks (default 2)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (GPU)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and shorter timings (tests)")
+    p.add_argument("--schedule", action="append", metavar="FILE",
+                   help="also time the exact GEMM shapes of this schedule, in its precision (repeatable); "
+                   "predictions of it then use them instead of a rate by flops")
+    p.add_argument("--deepspeed-host-costs", action="store_true",
+                   help="also measure real DeepSpeed's hook costs on this machine (runs it; needs deepspeed)")
+    p.add_argument("-o", "--output", default="profile.json", help="profile file (default profile.json)")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("record", help="run a real training command and record every collective it sends",
+                       description="Run CMD (a DeepSpeed / FSDP script, under torchrun or not) with every "
+                       "torch.distributed collective recorded (kind, bytes, dtype, group, order, timing, phase, "
+                       "step); each rank writes rank<N>.json into the output folder. Needs torch.")
+    p.add_argument("-o", "--output", default="recorded", help="output folder (default ./recorded)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run")
+    p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("compare", help="prediction vs measurement, or a recording vs a schedule (--collectives)",
+                       description="PREDICTED MEASURED: step-time error, busy time per stream and phase, exposed "
+                       "communication, per-op duration errors and the largest discrepancies (--json: one object "
+                       "with step_time_error_frac = (predicted - measured) / measured). "
+                       "--collectives RECORDED SCHEDULE: does the schedule's per-step collective sequence (kind, "
+                       "order, bytes) occur in the recorded run? Exit 0 if it does, 1 if not.")
+    p.add_argument("first", help="predicted trace (or, with --collectives, a recorded trace / record folder)")
+    p.add_argument("second", help="measured trace (or, with --collectives, a schedule file)")
+    p.add_argument("--collectives", action="store_true", help="compare collective sequences")
+    p.add_argument("--rank", type=int, default=0, help="which rank to compare (default 0)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_compare)

@@ -1,0 +1,98 @@
+"""``commsim predict``: simulate one training step and report it, as a table or JSON,
+with optional trace, timeline and memory plot files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from commsim.cli.common import add_hardware_flags, add_scenario_flags, check_outputs, warn_what_ifs
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def report_lines(pred, seed: int) -> list[str]:
+    """The text report of a prediction (``seed``: the first seed asked for)."""
+    m = pred.metrics
+    out = [pred.title]
+    mode = ("symmetric: one rank simulated for identical ranks" if m.mode == "symmetric"
+            else f"per-rank: {len(pred.result.ranks)} ranks simulated, jitter {m.jitter:.1%}")
+    if pred.result.cpu_sharing:
+        mode += f"; {pred.result.cpu_sharing}"
+    if m.step_time_samples_s:
+        n = len(m.step_time_samples_s)
+        lo, hi = min(m.step_time_samples_s), max(m.step_time_samples_s)
+        out.append(f"mode: {mode}; seeds {seed}-{seed + n - 1}, the median one shown (seed {m.seed})")
+        out.append(f"rank speed drift: sd {m.rank_noise[0]:.1%}, correlation {m.rank_noise[1] * 1e3:.0f} ms (profile); "
+                   f"the {n} steps took {lo:.3f}-{hi:.3f} s")
+    else:
+        out.append(f"mode: {mode}; seed {m.seed}")
+    if m.oom:
+        out.append(f"OUT OF MEMORY: {m.oom}")
+        return out
+    out.append(f"{'step time':<22}{m.step_time_s:>10.3f} s")
+    out.append(f"{'tokens/s':<22}{m.tokens_per_s:>10,.0f}")
+    out.append(f"{'model TFLOPS/GPU':<22}{m.model_tflops_per_gpu:>10.1f}     hardware TFLOPS/GPU "
+               f"{m.hardware_tflops_per_gpu:.1f}")
+    out.append(f"{'compute busy':<22}{m.compute_busy_frac:>10.1%}")
+    out.append(f"{'communication':<22}{m.comm_time_s:>10.3f} s   exposed {m.exposed_comm_s:.3f} s, "
+               f"overlap {m.overlap_frac:.1%}")
+    out.append("compute-stream idle by cause:")
+    for cause, v in sorted(m.stalls_s.items(), key=lambda kv: -kv[1]):
+        if v >= 0.0005:  # below the table's resolution
+            out.append(f"  {cause:<20}{v:>10.3f} s")
+    out.append(f"{'memory':<22}peak allocated {_fmt_bytes(m.peak_allocated_bytes)}, reserved "
+               f"{_fmt_bytes(m.peak_reserved_bytes)} of {_fmt_bytes(pred.hbm_bytes)}; allocator retries "
+               f"{m.alloc_retries}, cache flushes {m.alloc_flushes}")
+    if m.cost_usd_per_step == m.cost_usd_per_step and m.cost_usd_per_step > 0:
+        per_tokens = (f"${m.cost_usd_per_million_tokens:.2f} per million tokens"
+                      if math.isfinite(m.cost_usd_per_million_tokens) else "no tokens (the schedule names no model)")
+        out.append(f"{'cost':<22}${m.cost_usd_per_step:.3f} per step, {per_tokens}")
+    return out
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from commsim.api import predict_scenario
+
+    check_outputs(("--trace", args.trace), ("--plot", args.plot), ("--plot-memory", args.plot_memory))
+    warn_what_ifs(args.cluster, args.gpus_per_node)
+    pred = predict_scenario(args)
+    m = pred.metrics
+    if args.trace:
+        pred.trace().save_chrome_trace(args.trace) if args.trace.endswith(".chrome.json") else pred.trace().save(args.trace)
+    if args.plot:
+        from commsim.report.plots import timeline_png
+
+        timeline_png(pred.result, args.plot, title=pred.title)
+    if args.plot_memory:
+        from commsim.report.plots import memory, save_png
+
+        save_png(memory(pred.result, title=pred.title, hbm_bytes=pred.hbm_bytes), args.plot_memory)
+    if args.json:
+        out = m.to_json()
+        out["scenario"] = pred.scenario
+        print(json.dumps(out, indent=1, default=str))
+        return 0 if m.oom is None else 1
+    print("\n".join(report_lines(pred, args.seed)))
+    return 0 if m.oom is None else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("predict", help="simulate a training step and report step time, overlap and stalls",
+                       description="Simulate one steady-state training step (after a warm-up step) and report "
+                       "step time, throughput, overlap, stalls of the compute stream by cause, memory and cost. "
+                       "Defaults: the seed scenario, roberta-10b on 8 p4d nodes, ZeRO-3 optimized, micro-batch 16, "
+                       "sequence 512, bf16, layer-wise checkpointing.")
+    add_scenario_flags(p)
+    add_hardware_flags(p)
+    p.add_argument("--schedule", metavar="FILE", help="simulate this schedule file instead of generating one")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write the predicted trace (commsim JSON; a name ending .chrome.json writes Chrome/Perfetto)")
+    p.add_argument("--plot", metavar="PNG", help="write a timeline plot of the step")
+    p.add_argument("--plot-memory", metavar="PNG",
+                   help="write allocated / reserved memory over the step, allocator flushes marked")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=cmd_predict)
