@@ -226,11 +226,10 @@ def _resolved(sc: Scenario, schedule: Schedule, cluster) -> dict[str, Any]:
     import re
 
     stage = re.fullmatch(r"zero(\d)", schedule.meta.strategy or "")
-    micro = dict(schedule.meta.knobs).get("micro_batch")
     return {"net": "profile" if sc.hw_profile else cluster.node.fabric.kind,
             "stage": int(stage.group(1)) if stage else None,
             "gpus_per_node": cluster.node.gpus_per_node,
-            "micro_batch": int(micro) if micro is not None else None}
+            "micro_batch": schedule.meta.micro_batch}
 
 
 def scenario_from_args(args: Any) -> Scenario:
