@@ -268,10 +268,7 @@ class _CpuStep:
             return False
         start = time.perf_counter_ns()
         try:
-            if isinstance(op, O.Compute):
-                ex.kernels.run(op)
-            else:
-                ex.kernels.copy(op)
+            ex.kernels.execute(op)
         except BaseException as e:  # noqa: BLE001
             raise ex.fail(op, e) from e
         end = time.perf_counter_ns()

@@ -89,10 +89,8 @@ class GpuRank:
                             work.wait()
                             if check is not None:
                                 checks.append((op, check))
-                        elif isinstance(op, O.Compute):
-                            ex.kernels.run(op)
                         else:
-                            ex.kernels.copy(op)
+                            ex.kernels.execute(op)
                     except BaseException as e:  # noqa: BLE001
                         raise ex.fail(op, e) from e
                     end.record()

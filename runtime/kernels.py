@@ -95,6 +95,13 @@ class Kernels:
         self.offset = at + ((2 * half + 4095) & ~4095)  # page-aligned regions
         self.scratch[at + half:at + 2 * half].copy_(self.scratch[at:at + half])
 
+    def execute(self, op: O.Compute | O.Copy) -> None:
+        """The kernel standing in for a compute or copy op."""
+        if isinstance(op, O.Compute):
+            self.run(op)
+        else:
+            self.copy(op)
+
     def run(self, op: O.Compute) -> None:
         g = op.gemm
         if g is not None and op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION):

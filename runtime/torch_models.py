@@ -4,7 +4,7 @@
 registration and forward order mirror ``RobertaForMaskedLM`` (and, for gpt2 / llama,
 ``GPT2LMHeadModel`` / ``LlamaForCausalLM``), so that DeepSpeed's ZeRO-3 hooks see the
 same tree they would see on the Hugging Face model, without needing ``transformers``.
-Used to run real DeepSpeed on this machine's CPUs (fidelity tests, local validation)
+Used to run real DeepSpeed on CPUs (fidelity tests, local validation)
 and as an example of the ``module:function`` models that ``commsim.models.torch_walk`` reads.
 """
 

@@ -1,1 +1,1 @@
-"""Example training scripts that run real frameworks on this machine (CPU, gloo)."""
+"""Example training scripts that run real frameworks on CPUs (gloo)."""
