@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from commsim.api import Scenario, predict  # noqa: E402
-from commsim.hardware import costs as C  # noqa: E402
+from commsim.hardware import nccl as C  # noqa: E402
 from commsim.hardware.costs import SpecCostModel  # noqa: E402
 from commsim.hardware.specs import (A100_80, H200, IB_HDR_8, NODE_PRESETS, ClusterSpec,  # noqa: E402
                                     cluster_preset)
@@ -615,7 +615,7 @@ def x3() -> list[Row]:
 
 
 def x5() -> list[Row]:
-    setup = "costs.NCCL_CHANNELS: the SMs every collective takes, whatever its bandwidth"
+    setup = "nccl.NCCL_CHANNELS: the SMs every collective takes, whatever its bandwidth"
     return [Row("X5", "SMs NCCL uses for one PCIe NIC", setup, "SMs", 2, C.NCCL_CHANNELS, KC),
             Row("X5", "SMs NCCL uses for 8 NICs at 190 GB/s", setup, "SMs", 16, C.NCCL_CHANNELS, KC)]
 

@@ -61,7 +61,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from commsim.hardware.costs import CollectivePlan, Link, LinkKind
+from commsim.hardware.links import CollectivePlan, Link, LinkKind
 from commsim.hardware.platform import DEFAULT_TIME_SLICE_NS, CpuCores, Platform, RankDrift, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError

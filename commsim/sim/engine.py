@@ -27,7 +27,8 @@ from dataclasses import replace
 
 import simpy
 
-from commsim.hardware.costs import CostModel, Link, LinkKind
+from commsim.hardware.costs import CostModel
+from commsim.hardware.links import Link, LinkKind
 from commsim.ir import ops as O
 from commsim.ir.schedule import Schedule
 from commsim.sim.allocator import OutOfMemory

@@ -15,7 +15,7 @@ from typing import Callable
 
 import simpy
 
-from commsim.hardware.costs import Link
+from commsim.hardware.links import Link
 
 
 class _Transfer:

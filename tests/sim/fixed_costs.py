@@ -1,6 +1,6 @@
 """A cost model with round numbers for exact-trace tests: 1 flop = 1 ns, 1 byte = 1 ns."""
 
-from commsim.hardware.costs import CollectivePlan, Link, LinkKind
+from commsim.hardware.links import CollectivePlan, Link, LinkKind
 from commsim.hardware.platform import GPU
 from commsim.ir import ops as O
 

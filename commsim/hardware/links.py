@@ -1,0 +1,35 @@
+"""Links whose bandwidth concurrent transfers share, and a collective's plan over them.
+
+A collective is described as a fixed latency plus byte *demands* on links (a node's
+NICs, a GPU's NVLink port, or a measured profile's one channel), so the simulator can
+share each link's bandwidth between the transfers crossing it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class LinkKind(enum.Enum):
+    NIC = "nic"  # a node's network interfaces to the other nodes, pooled
+    NVLINK = "nvlink"  # a GPU's NVLink / NVSwitch port inside the node
+    CHANNEL = "channel"  # a measured profile's one communication channel per node (all kinds share it)
+
+
+class Link(NamedTuple):
+    """A link whose bandwidth concurrent transfers share: its kind and its node.
+    (A named tuple: the simulator hashes links on every rate change.)"""
+
+    kind: LinkKind
+    node: int
+
+
+@dataclass(frozen=True, slots=True)
+class CollectivePlan:
+    """How a collective runs: algorithm, fixed latency, and bytes each link must carry."""
+
+    algorithm: str  # e.g. "ring/Simple"
+    latency_ns: int
+    demands: tuple[tuple[Link, float], ...]  # (link, bytes) pairs
