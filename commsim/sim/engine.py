@@ -30,6 +30,7 @@ import simpy
 from commsim.hardware.costs import CostModel
 from commsim.hardware.links import Link, LinkKind
 from commsim.ir import ops as O
+from commsim.ir.errors import CommsimInputError
 from commsim.ir.schedule import Schedule
 from commsim.sim.allocator import OutOfMemory
 from commsim.sim.cpu_rank import CpuRank
@@ -85,6 +86,7 @@ class Simulator:
         self.stop = self.env.event()
         self._plans: dict[tuple, tuple[int, tuple]] = {}
         self._members: dict[tuple[int, ...], int] = {}
+        self._on_node: dict[int, int] = {}
         self._stream_comm: dict[int, dict[str, str]] = {}
         self.cpus: dict[int, CpuScheduler] = {}
         self.cpu_sharing = ""
@@ -174,12 +176,18 @@ class Simulator:
                 # own group at the same time: a group with fewer members on a node than
                 # it has ranks (MiCS replicas, one rank per node) shares the node's NICs
                 # with its sibling groups. (NVLink demands are per GPU port.)
-                per_node = self.cost.ranks_per_node
                 on = {nd: sum(1 for r in op.group if self.cost.node_of(r) == nd) for nd in self.nodes}
-                demands = tuple((l, b * per_node / on[l.node] if l.kind is LinkKind.NIC and on.get(l.node) else b)
-                                for l, b in demands)
+                demands = tuple((l, b * self._world_on_node(l.node) / on[l.node]
+                                 if l.kind is LinkKind.NIC and on.get(l.node) else b) for l, b in demands)
             cached = self._plans[key] = (plan.latency_ns, demands)
         return cached
+
+    def _world_on_node(self, node: int) -> int:
+        """Ranks of the schedule's world on ``node`` (a node may be partly filled)."""
+        n = self._on_node.get(node)
+        if n is None:
+            n = self._on_node[node] = sum(1 for r in range(self.schedule.world_size) if self.cost.node_of(r) == node)
+        return n
 
     def run_collective(self, op: O.Collective, rv: _Rendezvous):
         env = self.env
@@ -244,6 +252,7 @@ class Simulator:
         self.env.run(until=simpy.AnyOf(self.env, [all_done, self.stop]))
         if self.oom is None:
             self.env.run()  # drain the streams
+            self._check_finished(sims)
         t0 = min((s.result.start_ns for s in sims.values()), default=0)
         for s in sims.values():
             s.result.shift(t0)
@@ -253,6 +262,26 @@ class Simulator:
         return SimResult(self.mode, {r: s.result for r, s in sims.items()}, step, oom=self.oom,
                          seed=self.config.seed, jitter=self.jitter, cpu_sharing=self.cpu_sharing,
                          rank_noise=self.rank_noise)
+
+
+    def _check_finished(self, sims: dict[int, RankSim]) -> None:
+        """Every op issued ran: else the schedule deadlocks (a collective some member never
+        reaches, or ops waiting on one), and a partial step would be a wrong answer."""
+        stuck = []
+        for r, s in sims.items():
+            waiting = sorted(i for i, e in s.done.items() if not e.processed)
+            if waiting:
+                op = s.program.by_id()[waiting[0]]
+                stuck.append(f"rank {r} at op {op.id} `{op.label}` ({len(waiting)} op(s) unfinished)")
+        if stuck:
+            groups = sorted({f"{len(k[0])}-rank group {k[0][0]}-{k[0][-1]} call {k[1]} "
+                             f"({rv.arrived} of {rv.expected} arrived)" for k, rv in self.rendezvous.items()})
+            raise ScheduleDeadlock("the schedule deadlocks: " + "; ".join(stuck[:4])
+                                   + (f"; collectives waiting for members: {', '.join(groups[:4])}" if groups else ""))
+
+
+class ScheduleDeadlock(CommsimInputError):
+    """The simulated step cannot finish: some op waits for something that never comes."""
 
 
 def rank_noise(cost: CostModel, config: SimConfig) -> tuple[float, int]:

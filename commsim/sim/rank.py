@@ -99,11 +99,13 @@ class RankSim:
     def host(self, warmup_steps: int):
         env = self.env
         for step in range(warmup_steps + 1):
-            if step == warmup_steps:
-                # Step boundary: everything of the previous step has finished.
+            if step:
+                # Step boundary: everything of the previous step has finished (its ops'
+                # completion events are keyed by op id, which the next step reuses).
                 pending = [e for e in self.last_issued.values() if not e.processed]
                 if pending:
                     yield from self._block(pending)
+            if step == warmup_steps:
                 self.result.start_ns = env.now
                 self.result.clear()
                 stats = self.alloc.stats
@@ -193,7 +195,13 @@ class RankSim:
         done = env.event()
         self.done[op.id] = done
         self._issued(op, done)
-        q.append((op, env.now, ticket))
+        seq = None
+        if isinstance(op, O.Collective):
+            # a group's collectives match across ranks in the order the host issued them
+            # (the IR's rule, NCCL's launch order), whatever streams they wait on
+            seq = self.coll_seq.get(op.group, 0)
+            self.coll_seq[op.group] = seq + 1
+        q.append((op, env.now, ticket, seq))
         w = self.wakeups.get(stream)
         if w is not None:
             self.wakeups[stream] = None
@@ -371,7 +379,7 @@ class RankSim:
                 self.wakeups[stream] = ev
                 yield ev
                 continue
-            op, issued, ticket = q.popleft()
+            op, issued, ticket, seq = q.popleft()
             sp = self.space.get(stream)
             if sp is not None:
                 self.space[stream] = None
@@ -387,7 +395,7 @@ class RankSim:
             if isinstance(op, O.Collective):
                 if ticket is not None:
                     yield from self.await_ticket(ticket)
-                start, wait_peers = yield from self._collective(op)
+                start, wait_peers = yield from self._collective(op, seq)
             else:
                 start = env.now
                 yield from self.kernel(op)
@@ -401,11 +409,10 @@ class RankSim:
         """A collective's turn to reach the backend (program-order platforms). A generator."""
         raise NotImplementedError
 
-    def _collective(self, op: O.Collective):
-        """Arrive at the collective's rendezvous; returns (start, time waited for peers)."""
+    def _collective(self, op: O.Collective, seq: int):
+        """Arrive at the ``seq``-th collective of the op's group (counted in issue order);
+        returns (start, time waited for peers)."""
         env, sim = self.env, self.sim
-        seq = self.coll_seq.get(op.group, 0)
-        self.coll_seq[op.group] = seq + 1
         rv = sim.arrive(op, seq)
         arrived = env.now
         yield rv.event

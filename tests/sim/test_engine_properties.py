@@ -38,13 +38,10 @@ def costs():
                      gpus_per_node=st.sampled_from([1, 2]), latency_ns=st.sampled_from([0, 7]))
 
 
-# The engine matches a group's collectives across ranks by the order they reach their
-# stream's head, not by the order the host issued them, so a group's collectives on two
-# streams of a rank can pair up wrongly, even deadlock (test_collectives_matched_in_issue_order,
-# test_collectives_of_a_group_on_two_streams_complete). Until it does, every generated rank
-# keeps each group's collectives on one stream. (ZeRO-3 with overlap_comm does not: its
-# all-gathers and reduce-scatters over one group run on two streams.)
-STREAM_PER_GROUP = True
+# A group's collectives may sit on several streams of a rank (ZeRO-3 with overlap_comm:
+# all-gathers and reduce-scatters over one group); the engine matches them in issue
+# order (test_collectives_matched_in_issue_order).
+STREAM_PER_GROUP = False
 
 
 @st.composite
@@ -383,23 +380,18 @@ def test_per_rank_equals_symmetric_check_fails_when_a_rank_differs():
     assert trace_key(jit, 0) != trace_key(sym, 0)
 
 
-# ---------------------------------------------------------------- defects found (strict xfail)
+# ---------------------------------------------------------------- defects these tests found, fixed
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "engine defect: the host waits for the previous step only before the measured step, so with 2+ warm-up "
-    "steps it issues the next warm-up step while the last one's ops are in flight; done events are keyed by "
-    "op id, so the old op completes the new op's event and the new op then fails to succeed it again"))
 def test_two_warm_up_steps():
+    # the host waited for the previous step only before the measured one: a second
+    # warm-up step reused the first's op ids while its ops were in flight
     prog = Program((), (_comp(1, 100),))
     res = run(Schedule.uniform(1, prog), FixedCosts(), SimConfig(mode="symmetric", warmup_steps=2))
     assert [(r.op.id, r.start_ns, r.end_ns) for r in res.ranks[0].records] == [(1, 0, 100)]
     assert res.step_time_ns == 100
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "engine defect: symmetric mode scales NIC demands by gpus_per_node / members on the node, assuming "
-    "sibling groups on the node's other GPUs, even when the world has fewer ranks on rank 0's node"))
 def test_symmetric_nic_sharing_on_a_partial_node():
     # one rank on a node of two GPUs: no sibling group shares its NIC
     prog = Program((), (_coll(1, 128, (0,)),))
@@ -410,10 +402,6 @@ def test_symmetric_nic_sharing_on_a_partial_node():
     assert run(sched, cost, replace(base, mode="symmetric")).step_time_ns == 128  # 256: the NIC at half rate
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "engine defect: a group's collectives are matched across ranks by the order they reach their stream's "
-    "head (sequence number taken in _RankSim._collective), not by the order the host issued them (the IR's "
-    "rule), so collectives of one group on two streams pair up wrongly"))
 def test_collectives_matched_in_issue_order():
     # ZeRO-3's shape: reduce-scatter and all-gather over one group, on their own streams
     rs = O.Collective(O.OpId(1), "reduce", "rs", O.CollectiveKind.REDUCE_SCATTER, 100, O.DType.UINT8, (0, 1),
@@ -428,9 +416,6 @@ def test_collectives_matched_in_issue_order():
     check_collectives_together(sched, res)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "engine defect: the same wrong pairing as test_collectives_matched_in_issue_order closes a wait cycle; "
-    "the hosts finish issuing, the run drains and returns a partial trace without an error"))
 def test_collectives_of_a_group_on_two_streams_complete():
     g, h = (0, 1, 2), (0, 1)
     sched = Schedule.from_rank_programs([
@@ -444,3 +429,13 @@ def test_collectives_of_a_group_on_two_streams_complete():
     res = run(sched, FixedCosts(), SimConfig(mode="per-rank", jitter=0.0, warmup_steps=0))
     check_complete(sched, res)  # the engine recorded only ag1 on ranks 0 and 2, ag3 and c4 on rank 1
     check_collectives_together(sched, res)
+
+
+def test_a_collective_some_member_never_reaches_is_a_named_deadlock():
+    from commsim.sim.engine import ScheduleDeadlock
+
+    sched = Schedule.from_rank_programs([Program((), (_coll(1, 30, (0, 1)), _comp(2, 10, deps=(O.OpId(1),)))),
+                                         Program((), (_comp(2, 10),))])
+    with pytest.raises(ScheduleDeadlock, match=r"^the schedule deadlocks: rank 0 at op 1 `ag1` \(2 op\(s\) unfinished\); "
+                       r"collectives waiting for members: 2-rank group 0-1 call 0 \(1 of 2 arrived\)$"):
+        run(sched, FixedCosts(), SimConfig(mode="per-rank", jitter=0.0, warmup_steps=0))
