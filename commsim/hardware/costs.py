@@ -14,8 +14,9 @@ from typing import Protocol
 
 from commsim.hardware.gpu_kernels import GpuKernels
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
-from commsim.hardware.nccl import NCCL_CHANNELS, nccl_plan
+from commsim.hardware.nccl import nccl_plan
 from commsim.hardware.platform import GPU, Platform
+from commsim.hardware.sharing import IDLE, GpuResources, Taken
 from commsim.hardware.specs import US, ClusterSpec
 from commsim.ir import ops as O
 
@@ -33,7 +34,12 @@ class CostModel(Protocol):
     hbm_bytes: int  # device (or host) memory per rank
     describe: str
 
-    def compute_ns(self, op: O.Compute) -> int: ...
+    # a GPU's SMs and HBM bandwidth that kernels and collectives share (None: the
+    # model prices interference by measured factors instead: comm_slowdown, ...)
+    gpu_resources: GpuResources | None
+
+    def compute_ns(self, op: O.Compute, taken: Taken = IDLE) -> int: ...
+    def kernel_hbm_bytes(self, op: O.Compute) -> float: ...
     def copy_ns(self, op: O.Copy) -> int: ...
     def collective(self, op: O.Collective) -> CollectivePlan: ...
     def link_capacity(self, link: Link) -> float: ...
@@ -41,8 +47,9 @@ class CostModel(Protocol):
     # an allocation with no cache in front, of which touch_bytes (None: all) get written
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int: ...
 
-    # interference: compute runs this much slower while its rank communicates; a
-    # collective's bandwidth, and its fixed latency, this much slower while its node computes
+    # interference by measured factors (profiles; a model with gpu_resources derives it
+    # instead): compute runs this much slower while its rank communicates; a collective's
+    # bandwidth, and its fixed latency, this much slower while its node computes
     comm_slowdown: float
     comm_slowdown_during_compute: float
     comm_latency_slowdown_during_compute: float
@@ -72,10 +79,11 @@ class SpecCostModel:
         self.gpus_per_node = self.ranks_per_node = node.gpus_per_node
         self.platform = GPU
         self.kernels = GpuKernels(self.gpu, node.pcie_bw_bytes_per_s, precision)
+        self.gpu_resources = self.kernels.resources
         self.nvl_bw = node.nvlink_bw_bytes_per_s * node.nvlink_efficiency
         self.nic_bw = node.fabric.node_bw_bytes_per_s
-        self.comm_slowdown = 1.0 + NCCL_CHANNELS / self.gpu.sm_count
-        # NCCL's copies run on their own SMs and DMA: collectives are not slowed by compute
+        # interference comes from sharing gpu_resources (sharing.py), not from factors
+        self.comm_slowdown = 1.0
         self.comm_slowdown_during_compute = 1.0
         self.comm_latency_slowdown_during_compute = 1.0
         # issuing a device op costs host time only through the schedule's own launch ops
@@ -83,8 +91,11 @@ class SpecCostModel:
         self.hbm_bytes = self.gpu.hbm_bytes
         self.describe = cluster.name
 
-    def compute_ns(self, op: O.Compute) -> int:
-        return self.kernels.compute_ns(op)
+    def compute_ns(self, op: O.Compute, taken: Taken = IDLE) -> int:
+        return self.kernels.compute_ns(op, taken)
+
+    def kernel_hbm_bytes(self, op: O.Compute) -> float:
+        return self.kernels.needs(op).hbm_bytes
 
     def copy_ns(self, op: O.Copy) -> int:
         return self.kernels.copy_ns(op)
@@ -97,7 +108,9 @@ class SpecCostModel:
         return rank // self.gpus_per_node
 
     def link_capacity(self, link: Link) -> float:
-        return self.nic_bw if link.kind is LinkKind.NIC else self.nvl_bw
+        if link.kind is LinkKind.NIC:
+            return self.nic_bw
+        return self.gpu_resources.hbm_bytes_per_s if link.kind is LinkKind.HBM else self.nvl_bw
 
     def collective(self, op: O.Collective) -> CollectivePlan:
         return nccl_plan(op, self.node_of, self.cluster.node.fabric.latency_ns, self.link_capacity,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from math import ceil
 
+from commsim.hardware.sharing import IDLE, GpuResources, KernelNeeds, Taken, kernel_ns
 from commsim.hardware.specs import US, GpuSpec
 from commsim.ir import ops as O
 
@@ -29,20 +30,29 @@ class GpuKernels:
         # fp32 training runs its GEMMs as TF32: half the bf16 tensor peak on A100/H100.
         self.gemm_peak = peak / 2 if precision == "fp32" else peak
         self.mem_bw = gpu.hbm_bw_bytes_per_s * gpu.hbm_efficiency
+        self.resources = GpuResources(gpu.sm_count, self.mem_bw)
 
     def wave_efficiency(self, g: O.GemmShape) -> float:
         tiles = ceil(g.m / GEMM_TILE) * ceil(g.n / GEMM_TILE) * g.batch
         waves = ceil(tiles / self.gpu.sm_count)
         return tiles / (waves * self.gpu.sm_count)
 
-    def compute_ns(self, op: O.Compute) -> int:
-        mem_s = (op.bytes_read + op.bytes_written) / self.mem_bw
+    def needs(self, op: O.Compute) -> KernelNeeds:
+        """The kernel's fixed cost, arithmetic and memory times alone, bytes and tiles."""
+        nbytes = op.bytes_read + op.bytes_written
+        mem_s = nbytes / self.mem_bw
+        tiles = 0
         if op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION) and op.gemm is not None:
             eff = self.gpu.gemm_max_efficiency * self.wave_efficiency(op.gemm)
             flop_s = op.flops / (self.gemm_peak * eff)
+            g = op.gemm
+            tiles = ceil(g.m / GEMM_TILE) * ceil(g.n / GEMM_TILE) * g.batch
         else:
             flop_s = op.flops / self.gpu.peak_fp32_flops_per_s
-        return self.gpu.kernel_overhead_ns + int(max(mem_s, flop_s) * 1e9)
+        return KernelNeeds(self.gpu.kernel_overhead_ns, flop_s * 1e9, mem_s * 1e9, float(nbytes), tiles)
+
+    def compute_ns(self, op: O.Compute, taken: Taken = IDLE) -> int:
+        return kernel_ns(self.needs(op), self.resources, taken)
 
     def copy_ns(self, op: O.Copy) -> int:
         if op.direction is O.CopyDirection.D2D:

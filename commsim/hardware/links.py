@@ -16,11 +16,13 @@ class LinkKind(enum.Enum):
     NIC = "nic"  # a node's network interfaces to the other nodes, pooled
     NVLINK = "nvlink"  # a GPU's NVLink / NVSwitch port inside the node
     CHANNEL = "channel"  # a measured profile's one communication channel per node (all kinds share it)
+    HBM = "hbm"  # one GPU's memory bandwidth, which collectives share with its kernels (index: the rank)
 
 
 class Link(NamedTuple):
-    """A link whose bandwidth concurrent transfers share: its kind and its node.
-    (A named tuple: the simulator hashes links on every rate change.)"""
+    """A link whose bandwidth concurrent transfers share: its kind and its node (the
+    rank, for a GPU's own HBM). (A named tuple: the simulator hashes links on every
+    rate change.)"""
 
     kind: LinkKind
     node: int
@@ -33,3 +35,5 @@ class CollectivePlan:
     algorithm: str  # e.g. "ring/Simple"
     latency_ns: int
     demands: tuple[tuple[Link, float], ...]  # (link, bytes) pairs
+    sms: int = 0  # SMs each member GPU gives the collective's CTAs while it runs
+    hbm_bytes: float = 0.0  # bytes it moves through each member GPU's HBM

@@ -24,6 +24,10 @@ NCCL_NVLINK_HOP_US = {("ring", "LL"): 0.6, ("ring", "Simple"): 3.4, ("tree", "LL
 NCCL_NET_HOP_US = {("ring", "LL"): 2.7, ("ring", "Simple"): 14.0, ("tree", "LL"): 5.0, ("tree", "Simple"): 14.0}
 PROTOCOL_BW_FACTOR = {"LL": 0.5, "Simple": 1.0}  # LL: 4 data bytes per 8-byte line
 NCCL_CHANNELS = 8  # CTAs (SMs) NCCL occupies while a collective runs (NCCL_MIN_NCHANNELS class)
+# HBM traffic per byte a GPU sends: its source read and the destination written; a
+# reduction reads the received data again ("2-3x its wire bytes": published-runs.md X1)
+HBM_PER_WIRE_BYTE = {O.CollectiveKind.ALL_GATHER: 2.0, O.CollectiveKind.BROADCAST: 2.0,
+                     O.CollectiveKind.REDUCE_SCATTER: 3.0, O.CollectiveKind.ALL_REDUCE: 3.0}
 
 
 def nccl_plan(op: O.Collective, node_of: Callable[[int], int], fabric_latency_ns: int,
@@ -73,4 +77,5 @@ def nccl_plan(op: O.Collective, node_of: Callable[[int], int], fabric_latency_ns
         return o[1] + max(b / capacity(l) for l, b in o[2]) * 1e9
 
     algo, lat, dem = min(options, key=est)
-    return CollectivePlan(algo, lat, dem)
+    wire = max(b for _, b in dem)  # one GPU's bytes on its busiest link
+    return CollectivePlan(algo, lat, dem, NCCL_CHANNELS, HBM_PER_WIRE_BYTE[kind] * wire)

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
+from commsim.hardware.sharing import IDLE, Taken
 from commsim.hardware.platform import DEFAULT_TIME_SLICE_NS, CpuCores, Platform, RankDrift, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
@@ -198,7 +199,19 @@ class HardwareProfile:
             return nbytes / self.elementwise_bytes_per_s
         return max(0.0, _piecewise(pts, nbytes) - pts[0][1])
 
-    def compute_ns(self, op: O.Compute) -> int:
+    # interference is priced by the measured factors (comm_slowdown, ...), not by sharing
+    gpu_resources = None
+
+    def kernel_hbm_bytes(self, op: O.Compute) -> float:
+        return float(op.bytes_read + op.bytes_written)
+
+    def compute_ns(self, op: O.Compute, taken: Taken = IDLE) -> int:
+        """A kernel's measured time; with collectives in flight (``taken``), slowed by the
+        measured contention factor."""
+        ns = self._compute_alone_ns(op)
+        return int(ns * self.comm_slowdown) if taken else ns
+
+    def _compute_alone_ns(self, op: O.Compute) -> int:
         mem_s = self._memory_s(op.bytes_read + op.bytes_written)
         flop_s = op.flops / self._gemm_rate(op.flops, op.gemm) if op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION) \
             else 0.0

@@ -45,13 +45,15 @@ __all__ = ["HOST", "HostBlock", "OpRecord", "RankResult", "SimConfig", "SimResul
 
 
 class _Rendezvous:
-    __slots__ = ("expected", "arrived", "event", "done")
+    __slots__ = ("expected", "arrived", "event", "done", "sms", "hbm_rate")
 
     def __init__(self, env: simpy.Environment, expected: int):
         self.expected = expected
         self.arrived = 0
         self.event = env.event()  # succeeds with the start time once all have arrived
         self.done: simpy.Event | None = None
+        self.sms = 0  # what it holds of each member GPU while it runs (its plan)
+        self.hbm_rate = 0.0
 
 
 class Simulator:
@@ -81,6 +83,7 @@ class Simulator:
         self.nodes = {cost.node_of(r) for r in self.ranks}
         self.rendezvous: dict[tuple, _Rendezvous] = {}
         self.compute_active: dict[int, int] = {}
+        self.kernel_hbm: dict[int, float] = {}  # rank -> HBM bytes/s its running kernels move
         self.network = FluidNetwork(self.env, self._capacity)
         self.oom: str | None = None
         self.stop = self.env.event()
@@ -127,9 +130,30 @@ class Simulator:
     # ------------------------------------------------------------ links
     def _capacity(self, link: Link) -> float:
         cap = self.cost.link_capacity(link)
+        if link.kind is LinkKind.HBM:
+            # a GPU's HBM beside its running kernels: what they leave, or the collectives'
+            # proportional share of it (sharing.fair_share)
+            mine = self.kernel_hbm.get(link.node, 0.0)
+            if mine > 0:
+                theirs = self.sims[link.node].taken.hbm_bytes_per_s
+                cap = max(cap - mine, cap * theirs / (theirs + mine))
+            return cap
         if self.compute_active.get(link.node):
             cap /= self.cost.comm_slowdown_during_compute
         return cap
+
+    def kernel_hbm_changed(self, rank: int, delta: float) -> None:
+        """A kernel of ``rank`` started or ended, moving ``delta`` bytes/s of HBM more: the
+        HBM its collectives get changes. Re-plan the rates only if that limit binds (or
+        bound) a transfer, as re-planning every transfer at every kernel would be slow."""
+        link = Link(LinkKind.HBM, rank)
+        before = self._capacity(link)
+        self.kernel_hbm[rank] = self.kernel_hbm.get(rank, 0.0) + delta
+        if not self.sims[rank].taken.collectives or not self.network.active:
+            return
+        used = self.network.throughput(link)
+        if used and min(before, self._capacity(link)) <= used * (1 + 1e-9):
+            self.network.refresh()
 
     def compute_started(self, node: int) -> None:
         n = self.compute_active.get(node, 0)
@@ -163,14 +187,15 @@ class Simulator:
             self.env.process(self.run_collective(op, rv))
         return rv
 
-    def _plan(self, op: O.Collective) -> tuple[int, tuple[tuple[Link, float], ...]]:
+    def _plan(self, op: O.Collective) -> tuple[int, tuple[tuple[Link, float], ...], int, float]:
+        """(latency, link demands, SMs and HBM bytes/s it takes of each member GPU)."""
         key = (op.kind, op.size_bytes, op.group)
         cached = self._plans.get(key)
         if cached is None:
             # Identical collectives recur every layer: plan once. Only links of nodes
             # that are simulated carry load that other simulated transfers can feel.
             plan = self.cost.collective(op)
-            demands = tuple((l, b) for l, b in plan.demands if l.node in self.nodes)
+            demands = tuple((l, b) for l, b in plan.demands if l.node in self.nodes and l.kind is not LinkKind.HBM)
             if self.mode == "symmetric":
                 # By symmetry, every rank of the node runs the same collective over its
                 # own group at the same time: a group with fewer members on a node than
@@ -179,7 +204,15 @@ class Simulator:
                 on = {nd: sum(1 for r in op.group if self.cost.node_of(r) == nd) for nd in self.nodes}
                 demands = tuple((l, b * self._world_on_node(l.node) / on[l.node]
                                  if l.kind is LinkKind.NIC and on.get(l.node) else b) for l, b in demands)
-            cached = self._plans[key] = (plan.latency_ns, demands)
+            sms, hbm_rate = 0, 0.0
+            if self.cost.gpu_resources is not None and plan.hbm_bytes and demands:
+                # its traffic through each simulated member's HBM, shared with that GPU's
+                # kernels; the rate it moves at when nothing else slows it
+                alone_s = max(b / self.cost.link_capacity(l) for l, b in demands)
+                hbm_rate = plan.hbm_bytes / alone_s if alone_s > 0 else 0.0
+                demands += tuple((Link(LinkKind.HBM, r), plan.hbm_bytes) for r in op.group if r in self.ranks)
+                sms = plan.sms
+            cached = self._plans[key] = (plan.latency_ns, demands, sms, hbm_rate)
         return cached
 
     def _world_on_node(self, node: int) -> int:
@@ -191,7 +224,7 @@ class Simulator:
 
     def run_collective(self, op: O.Collective, rv: _Rendezvous):
         env = self.env
-        latency, demands = self._plan(op)
+        latency, demands, rv.sms, rv.hbm_rate = self._plan(op)
         rv.done = env.event()
         rv.event.succeed(env.now)
         if self.cpus:

@@ -60,6 +60,15 @@ class FluidNetwork:
             self._advance()
             self._reschedule()
 
+    def throughput(self, link: Link) -> float:
+        """Bytes per second the active transfers move over ``link`` now."""
+        total = 0.0
+        for t in self.active:
+            for l, b in t.demands:
+                if l == link:
+                    total += t.rate * b * 1e9
+        return total
+
     def _advance(self) -> None:
         dt = self.env.now - self.last
         if dt:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import simpy
 
+from commsim.hardware.sharing import IDLE
 from commsim.ir import ops as O
 from commsim.sim.allocator import Block, CachingAllocator, OutOfMemory
 from commsim.sim.cpu_scheduler import CpuScheduler, CpuThread
@@ -60,7 +61,7 @@ class RankSim:
         self.blocks: dict[str, Block] = {}
         self.block_stream: dict[str, str] = {}
         self.buffer_streams: dict[str, set[str]] = {}
-        self.active_comm = 0
+        self.taken = IDLE  # what this rank's in-flight collectives hold of its device
         self.coll_seq: dict[tuple[int, ...], int] = {}
         self.record_of: dict[O.OpId, OpRecord] = {}
         self.rng = random.Random(sim.config.seed * 1_000_003 + rank)
@@ -252,11 +253,12 @@ class RankSim:
         return max(1, int(dur * exp(self.noise_x - self.noise_sd ** 2 / 2)))
 
     def _compute_ns(self, op: O.Compute, comm_slowed: bool) -> int:
-        """A kernel's time: its cost, slowed while this rank communicates (when the
+        """A kernel's time: its cost beside this rank's in-flight collectives (when the
         platform shares the device that way), jittered, scaled by the rank's speed."""
-        dur = self.cost.compute_ns(op)
-        if comm_slowed and self.active_comm:
-            dur = int(dur * self.cost.comm_slowdown)
+        return self._jittered(self.cost.compute_ns(op, self.taken if comm_slowed else IDLE))
+
+    def _jittered(self, dur: int) -> int:
+        """A kernel time jittered per rank and scaled by the rank's speed now."""
         if self.jitter:
             dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
         return self._speed(dur)
@@ -417,7 +419,14 @@ class RankSim:
         arrived = env.now
         yield rv.event
         start = rv.event.value
-        self.active_comm += 1
+        self.comm_began(rv.sms, rv.hbm_rate)
         yield rv.done
-        self.active_comm -= 1
+        self.comm_ended(rv.sms, rv.hbm_rate)
         return start, start - arrived
+
+    def comm_began(self, sms: int, hbm_rate: float) -> None:
+        """A collective of this rank started: its CTAs and HBM traffic are now taken."""
+        self.taken = self.taken.plus(sms, hbm_rate)
+
+    def comm_ended(self, sms: int, hbm_rate: float) -> None:
+        self.taken = self.taken.minus(sms, hbm_rate)

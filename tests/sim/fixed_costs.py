@@ -2,11 +2,13 @@
 
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
 from commsim.hardware.platform import GPU
+from commsim.hardware.sharing import IDLE
 from commsim.ir import ops as O
 
 
 class FixedCosts:
     platform = GPU
+    gpu_resources = None  # interference by factors (comm_slowdown): none unless a test sets one
     comm_slowdown = 1.0
     comm_slowdown_during_compute = 1.0
     comm_latency_slowdown_during_compute = 1.0
@@ -24,8 +26,11 @@ class FixedCosts:
         self.bw = link_bytes_per_s
         self.latency_ns = latency_ns
 
-    def compute_ns(self, op):
-        return op.flops
+    def compute_ns(self, op, taken=IDLE):
+        return int(op.flops * self.comm_slowdown) if taken else op.flops
+
+    def kernel_hbm_bytes(self, op):
+        return float(op.bytes_read + op.bytes_written)
 
     def copy_ns(self, op):
         return op.size_bytes
