@@ -178,7 +178,8 @@ def test_predict_with_a_measured_profile(tmp_path):
 
     prof = tmp_path / "profile.json"
     prof.write_text(json.dumps({**PROFILE, "collectives": {
-        k: {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}} for k in ("all_gather", "reduce_scatter", "all_reduce")}}))
+        k: {"intra_node": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}}
+        for k in ("all_gather", "reduce_scatter", "all_reduce")}}))
     res = predict_json("--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16",
                        "--hw-profile", str(prof))
     assert res["step_time_s"] > 0 and res["mode"] == "symmetric"
