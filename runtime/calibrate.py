@@ -1,36 +1,50 @@
-"""Micro-benchmarks that turn a machine into a hardware profile (commsim-hw-profile v1).
+"""Micro-benchmarks that turn a machine into a hardware profile (commsim-hw-profile v2).
 
 Every rank runs every benchmark at the same time, with the executor's own kernels and
 backend, because that is how a schedule will run: on a shared CPU two ranks' matmuls
 compete for the same cores, on GPUs each rank has its own.
 
 Measured:
-* GEMM throughput by size (the executor's batched matmul), as (flops, flops/s) points;
+* GEMM throughput by size (the executor's batched matmul), as (flops, flops/s) points:
+  up to 1024^3 on CPUs, up to 8192^3 on GPUs (where smaller ones do not fill the
+  device), and each exact shape of the schedules given;
 * memory-bound kernels by size, on data not in the cache (as a step's tensors are):
   a table, and a fixed cost per kernel and bandwidth (a least-squares fit of time over
   bytes), used for elementwise ops and copies;
-* each collective kind separately (all-gather, reduce-scatter, all-reduce, broadcast)
-  over the whole group: latency and bandwidth from a fit of time over bytes, never
-  assuming one kind from another (gloo's reduce-scatter, for one, costs an all-reduce);
+* on GPUs, host<->device copies as the executor makes them (pinned, non-blocking, each
+  direction), and a kernel's fixed device cost;
+* each collective kind separately (all-gather, reduce-scatter, all-reduce, broadcast):
+  latency and bandwidth from a fit of time over bytes, never assuming one kind from
+  another (gloo's reduce-scatter, for one, costs an all-reduce), per group size and
+  placement: the whole job, and when it spans nodes also every node's ranks together
+  (inside a node) and one rank of each node (across nodes), all groups of a kind at once;
 * how much slower compute runs while a collective is in flight, and the reverse (a
-  collective's bandwidth and its latency separately);
+  collective's bandwidth and its latency separately): on GPUs with the kernels and the
+  collectives on two streams of their own, overlapping on the device;
 * the executor's own per-op costs: host time to issue a device op, and per-op overhead;
-* allocation cost by size, in a step-like steady state (heap reuse vs fresh pages),
-  and on CPUs what the first write of a fresh page costs;
+* allocation cost by size, in a step-like steady state (heap reuse vs fresh pages;
+  cudaMalloc on GPUs, with the caching allocator's statistics), and on CPUs what the
+  first write of a fresh page costs;
 * on CPUs, the cores and, with more ranks than cores, the OS time slice; with at most
   one rank per core, how each rank's speed drifts apart from the others'
   (``runtime.calibrate_cpu``).
 
-``Calibrator.run`` runs them all, in a fixed order, and returns the profile document
-(``runtime.calibrate_profile``). Which of them apply, and how memory is allocated and
-kernels waited for, follows the backend's platform (``commsim.hardware.platform``).
+Device times come from a ``runtime.timing`` timer: the host clock where kernels run on
+the host thread, CUDA events around batches of queued calls on GPUs. Every tensor the
+ranks agree through (a result, a count) is on the process group's device: NCCL takes
+CUDA tensors only. ``Calibrator.run`` runs them all, in a fixed order, and returns the
+profile document (``runtime.calibrate_profile``). Which of them apply, and how memory is
+allocated and kernels waited for, follows the backend's platform
+(``commsim.hardware.platform``).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -40,12 +54,14 @@ from commsim.hardware.platform import KernelExecution, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
 from runtime.calibrate_cpu import cpu_cores, rank_noise, time_slice
-from runtime.calibrate_profile import Measured, profile_document
+from runtime.calibrate_profile import Measured, device_name, profile_document
 from runtime.collectives import all_gather, reduce_scatter
 from runtime.executor import RankExecutor, RankOptions
-from runtime.kernels import Kernels, default_precision, device_of
+from runtime.kernels import Kernels, PinnedCopies, default_precision, device_of
+from runtime.timing import CudaTimer, HostTimer, calls_for, covering_calls, mutual_slowdown, per_call
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
 
 
 def _latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -57,19 +73,67 @@ def _latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]
     return max(0.0, y0 - x0 / bw), bw
 
 
+@dataclass(frozen=True)
+class GroupSet:
+    """Groups of one size and placement, measured all at once (as a step runs them:
+    every node's ranks gather inside their node at the same time)."""
+
+    placement: str  # INTRA_NODE or INTER_NODE
+    size: int
+    groups: tuple[tuple[int, ...], ...]
+
+
+def group_sets(world: int, ranks_per_node: int) -> list[GroupSet]:
+    """The process groups a calibration measures, with ranks placed on nodes in blocks
+    (rank r on node r // ranks_per_node, as torchrun and srun's default distribution
+    place them). One node: the whole job. Several: the whole job (across nodes), every
+    node's ranks (inside a node) and one rank of each node (across nodes), so that the
+    profile prices a hierarchical schedule's groups from measurements of their own
+    placement. A single rank has no collective to measure."""
+    if world < 2:
+        return []
+    nodes = -(-world // ranks_per_node)
+    everyone = (tuple(range(world)),)
+    if nodes == 1:
+        return [GroupSet(INTRA_NODE, world, everyone)]
+    out = [GroupSet(INTER_NODE, world, everyone)]
+    if ranks_per_node >= 2:
+        node_groups = tuple(tuple(range(n * ranks_per_node, min(world, (n + 1) * ranks_per_node)))
+                            for n in range(nodes))
+        out.append(GroupSet(INTRA_NODE, ranks_per_node, node_groups))
+        cross = tuple(tuple(r for r in range(j, world, ranks_per_node)) for j in range(ranks_per_node))
+        out.append(GroupSet(INTER_NODE, nodes, cross))
+    return out
+
+
 class Calibrator:
     """One rank's calibration: the benchmarks, each run on every rank at once with the
     executor's own kernels and backend (``run`` runs them all)."""
 
     def __init__(self, rank: int, world: int, backend: str, quick: bool = False, log: Callable[[str], None] = print,
-                 shapes: tuple[tuple[str, int, int, int, int], ...] = (), ranks_per_node: int | None = None):
+                 shapes: tuple[tuple[str, int, int, int, int], ...] = (), ranks_per_node: int | None = None,
+                 nodes: int | None = None):
         self.rank, self.world, self.backend = rank, world, backend
         self.ranks_per_node = ranks_per_node or world
+        self.nodes = nodes or -(-world // self.ranks_per_node)
         self.shapes = shapes  # (dtype, m, n, k, batch) of the GEMMs some schedules will run
         self.platform = platform_of_backend(backend)
+        self.queued = self.platform.kernels is KernelExecution.QUEUED
+        # The device of the kernels and buffers, and of every tensor handed to the process
+        # group: NCCL refuses CPU tensors ("No backend type associated with device type
+        # cpu"), so an agreement made on the host would end the calibration at once.
         self.device = device_of(self.platform)
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[default_precision(self.platform)]
         self.kernels = Kernels(self.device, self.dtype)
+        if self.queued:
+            # kernels and collectives each on a stream of their own, as the executor runs
+            # them, so that contention is measured as overlap on the device
+            self.compute_stream = torch.cuda.Stream(device=self.device)
+            self.comm_stream = torch.cuda.Stream(device=self.device)
+            self.timer: Any = CudaTimer(self.device, self.compute_stream)
+            self.comm_timer: Any = CudaTimer(self.device, self.comm_stream)
+        else:
+            self.timer = self.comm_timer = HostTimer()
         self._shape_kernels: dict[str, Kernels] = {}
         self._shape_times: dict[tuple[str, int, int, int, int], list[float]] = {}
         self.min_s = 0.05 if quick else 0.2
@@ -78,58 +142,62 @@ class Calibrator:
 
     def sync(self) -> None:
         """Wait for the kernels this rank queued (none are where they run inline)."""
-        if self.platform.kernels is KernelExecution.QUEUED:
-            torch.cuda.synchronize(self.device)
+        self.timer.sync()
+
+    def values(self, xs: list[float]) -> torch.Tensor:
+        """``xs`` as a tensor the process group can take (on its device)."""
+        return torch.tensor(xs, dtype=torch.float64, device=self.device)
+
+    def agree_all(self, xs: list[float]) -> list[float]:
+        """The largest of every rank's value, element by element."""
+        t = self.values(xs)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [float(v) for v in t.tolist()]
 
     def agree(self, x: float) -> float:
         """The largest of every rank's ``x``."""
-        out = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-        return float(out.item())
+        return self.agree_all([x])[0]
 
-    def _together(self, fn: Callable[[], Any]) -> float:
-        """Time ``fn`` on all ranks at once; the slowest rank's mean counts. Every rank
-        runs the same number of calls (a collective inside must match on all ranks).
-
-        The mean, not the median: with more ranks than cores, the OS time-slices them in
-        slices of milliseconds, so a call shorter than a slice usually runs at a whole
-        core's speed and now and then waits out another rank's slice. The median keeps
-        only the fast calls; the mean is what such calls cost on average in a step (the
-        median underpriced memory-bound kernels and copies; traces/README.md)."""
+    def _together(self, fn: Callable[[], Any], timer: Any = None) -> float:
+        """Seconds per call of ``fn`` on all ranks at once; the slowest rank's mean counts
+        (``runtime.timing.per_call``). Every rank runs the same number of calls (a
+        collective inside must match on all ranks)."""
         dist.barrier()
-        t = time.perf_counter()
-        fn()
-        self.sync()
-        first = self.agree(time.perf_counter() - t)
-        reps = int(min(200, max(3, self.min_s / max(first, 1e-7))))
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            self.sync()
-            times.append(time.perf_counter() - t)
-        return self.agree(statistics.fmean(times))
+        return per_call(timer or self.timer, fn, self.min_s, self.agree)
 
     # ------------------------------------------------------------ compute
-    def gemm(self, dtype: torch.dtype) -> list[list[float]]:
+    def _gemm_shapes(self, dtype: torch.dtype) -> list[tuple[int, int, int, int]]:
+        if self.queued:
+            # A GPU needs large GEMMs to fill its SMs: up to 8192^3 (and transformer
+            # layers' shapes of hidden 1024 to 4096); batched ones up to 2048.
+            sizes = [128, 512, 2048, 8192] if self.quick else [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+            shapes = [(n, n, n, 1) for n in sizes] + [(n, n, n, 8) for n in sizes if n <= 2048]
+            if not self.quick:
+                shapes += [(t, 4 * h, h, 1) for t in (2048, 8192) for h in (1024, 4096)]
+                shapes += [(4 * h, h, t, 1) for t in (2048, 8192) for h in (1024, 4096)]
+            return shapes
         sizes = [16, 32, 64, 128, 256, 512] if self.quick else [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024]
-        cpu_bf16 = dtype == torch.bfloat16 and self.platform.inline_kernels
+        cpu_bf16 = dtype == torch.bfloat16
         if cpu_bf16:
             # slow on CPUs without bf16 units (a large batched GEMM takes seconds); the
             # curve is flat well before these sizes
             sizes = [s for s in sizes if s <= (128 if self.quick else 256)]
-        kernels = Kernels(self.device, dtype)
         # square matmuls, batched ones, and the tall-and-skinny shapes of transformer
         # layers (tokens x hidden x 4*hidden and their gradients)
         shapes = [(n, n, n, b) for n in sizes for b in (1, 8)]
         if not self.quick and not cpu_bf16:
             shapes += [(t, 4 * h, h, 1) for t in (256, 1024) for h in (256, 512)]
             shapes += [(4 * h, h, t, 1) for t in (256, 1024) for h in (256, 512)]
+        return shapes
+
+    def gemm(self, dtype: torch.dtype) -> list[list[float]]:
+        kernels = Kernels(self.device, dtype)
         points = []
-        for m, n, k, batch in shapes:
+        for m, n, k, batch in self._gemm_shapes(dtype):
             op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * m * n * k * batch, 0, 0,
                            O.GemmShape(m, n, k, batch))
             t = self._together(lambda op=op: kernels.run(op))
+            kernels.operands.clear()  # one shape's operands at a time (8192^3 in bf16: 400 MB)
             points.append([float(op.flops), op.flops / t])
         # one rate per flop count (shapes of equal work measured with and without batching)
         by_flops: dict[float, list[float]] = {}
@@ -151,6 +219,8 @@ class Calibrator:
             kernels = self._shape_kernels.setdefault(dt, Kernels(self.device, dtypes[dt]))
             op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * m * n * k * batch, 0, 0, O.GemmShape(m, n, k, batch))
             t = self._together(lambda op=op, kernels=kernels: kernels.run(op))
+            if self.queued:
+                kernels.operands.clear()  # device memory: one shape's operands at a time
             self._shape_times.setdefault(shape, []).append(t)
 
     def gemm_shapes(self) -> dict[str, list[list[float]]]:
@@ -172,6 +242,8 @@ class Calibrator:
         from memory, as a step's tensors do (``Kernels``); below a few MiB the cost is
         mostly the call's fixed overhead and the cold cache lines' latency."""
         sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20] + ([] if self.quick else [32 << 20, 128 << 20])
+        if self.queued and not self.quick:
+            sizes.append(512 << 20)  # well past a GPU's L2 (40-60 MB): HBM's own rate
         pts = []
         for nbytes in sizes:
             op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.ELEMENTWISE, 0, nbytes // 2, nbytes // 2)
@@ -181,54 +253,131 @@ class Calibrator:
                  f"({pts[-1][0] / pts[-1][1] / 1e9:.2f} GB/s at {pts[-1][0] / 2**20:.0f} MiB)")
         return a, bw, [[int(x), y] for x, y in pts]
 
+    def kernel_overhead_ns(self) -> int | None:
+        """GPUs: a kernel's fixed device cost, from a batch of the smallest memory-bound
+        kernels queued behind a held stream (``CudaTimer``), so that neither the host's
+        launch nor a synchronise round trip is in it. None on CPUs, whose per-kernel cost
+        comes from the executor's per-op overhead (``executor_overheads``)."""
+        if not self.queued:
+            return None
+        op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.ELEMENTWISE, 0, 32, 32)
+        t = self._together(lambda: self.kernels.run(op))
+        self.log(f"kernel overhead: {t * 1e6:.2f} us per kernel on the device")
+        return int(t * 1e9)
+
+    def copies(self) -> dict[str, dict[str, Any]] | None:
+        """GPUs: host->device and device->host copies as the executor makes them (pinned
+        host memory, non-blocking, ``runtime.kernels.PinnedCopies``), by size: latency
+        and bandwidth of each direction (PCIe's, not HBM's). None on CPUs, where a copy
+        is the memory-bound kernel over its bytes read and written, whose table
+        ``memory`` measured."""
+        if not self.queued:
+            return None
+        sizes = [64 << 10, 1 << 20, 16 << 20] + ([64 << 20] if self.quick else [128 << 20, 512 << 20])
+        copies = PinnedCopies(self.device, max(sizes))
+        out: dict[str, dict[str, Any]] = {}
+        for direction in (O.CopyDirection.H2D, O.CopyDirection.D2H):
+            pts = [(float(n), self._together(lambda n=n, d=direction: copies.run(d, n))) for n in sizes]
+            a, bw = _latency_bandwidth(pts)
+            out[direction.value] = {"latency_ns": int(a * 1e9), "bytes_per_s": bw,
+                                    "points": [[int(x), y] for x, y in pts]}
+            self.log(f"{direction.value} copies (pinned): {a * 1e6:.1f} us + {bw / 1e9:.2f} GB/s")
+        del copies
+        self.sync()
+        return out
+
     # ------------------------------------------------------------ collectives
-    def _collective(self, kind: str, nbytes: int) -> Callable[[], Any]:
-        p = self.world
+    def _collective(self, kind: str, nbytes: int, group: Any = None, p: int | None = None) -> Callable[[], Any]:
+        p = p or self.world
         n = max(p, nbytes // 4 // p * p)
         buf = torch.ones(n, dtype=torch.float32, device=self.device)
         shard = torch.ones(n // p, dtype=torch.float32, device=self.device)
         if kind == "all_gather":
-            return lambda: all_gather(buf, shard)
+            return lambda: all_gather(buf, shard, group=group)
         if kind == "reduce_scatter":
-            return lambda: reduce_scatter(shard, buf)
+            return lambda: reduce_scatter(shard, buf, group=group)
         if kind == "all_reduce":
-            return lambda: dist.all_reduce(buf)
-        return lambda: dist.broadcast(buf, src=0)
+            return lambda: dist.all_reduce(buf, group=group)
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        return lambda: dist.broadcast(buf, src=src, group=group)
 
-    def collectives(self) -> dict[str, dict[str, dict[str, Any]]]:
+    def collectives(self) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+        """kind -> placement -> group size -> fit, for every group set (``group_sets``)."""
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20] + ([] if self.quick else [16 << 20, 64 << 20])
-        out: dict[str, dict[str, dict[str, Any]]] = {}
-        for kind in KINDS:
-            pts = [(float(s), self._together(self._collective(kind, s))) for s in sizes]
-            a, bw = _latency_bandwidth(pts)
-            out[kind] = {str(self.world): {"latency_ns": int(a * 1e9), "bytes_per_s": bw,
-                                           "points": [[int(x), y] for x, y in pts]}}
-            self.log(f"{kind} over {self.world} ranks: {a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")
-        return out
+        out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {kind: {} for kind in KINDS}
+        for gs in group_sets(self.world, self.ranks_per_node):
+            group = None
+            if gs.size < self.world:
+                # every rank creates every group, in the same order (new_group's rule)
+                for ranks in gs.groups:
+                    pg = dist.new_group(list(ranks))
+                    if self.rank in ranks:
+                        group = pg
+            for kind in KINDS:
+                pts = [(float(s), self._together(self._collective(kind, s, group, gs.size), self.comm_timer))
+                       for s in sizes]
+                a, bw = _latency_bandwidth(pts)
+                out[kind].setdefault(gs.placement, {})[str(gs.size)] = {
+                    "latency_ns": int(a * 1e9), "bytes_per_s": bw, "points": [[int(x), y] for x, y in pts],
+                    "concurrent_groups": len(gs.groups)}
+                where = "inside a node" if gs.placement == INTRA_NODE else "across nodes"
+                self.log(f"{kind} over {gs.size} ranks {where} ({len(gs.groups)} group(s) at once): "
+                         f"{a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")
+        return {k: v for k, v in out.items() if v}
 
     def contention(self) -> tuple[float, float, float]:
         """(compute slowdown while a collective runs, collective bandwidth slowdown while
         compute runs, collective latency slowdown while compute runs).
 
-        A fixed number of collectives run in a background thread (the same count on every
-        rank, so none is left waiting) while the foreground runs matmuls until they are
-        done; each side's rate is compared with its rate alone. Twice: a 4 MiB all-reduce,
-        whose time is mostly bandwidth, and a 64 KiB all-gather, whose time is mostly
-        latency. On a CPU backend the collective's own thread then competes for the core
-        with the rank's kernels, and a small collective waits for the scheduler at every
-        message of its protocol, so its latency suffers more than a large one's
-        bandwidth."""
+        Twice: a 4 MiB all-reduce, whose time is mostly bandwidth, and a 64 KiB
+        all-gather, whose time is mostly latency. With one rank there is no collective
+        to overlap: 1 (no slowdown) for all three."""
+        if self.world < 2:
+            self.log("contention: not measured (one rank: no collective to overlap)")
+            return 1.0, 1.0, 1.0
         n = 256 if self.quick else 384
+        if self.queued:
+            n = 2048 if self.quick else 4096  # a GEMM that keeps a GPU busy for a while
         op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * n ** 3 * 4, 0, 0, O.GemmShape(n, n, n, 4))
         compute_alone = self._together(lambda: self.kernels.run(op))
-        slow_c, slow_n = self._under_compute(op, compute_alone, self._collective("all_reduce", 4 << 20))
-        _, slow_lat = self._under_compute(op, compute_alone, self._collective("all_gather", 64 << 10))
+        under = self._overlapped if self.queued else self._under_compute
+        slow_c, slow_n = under(op, compute_alone, self._collective("all_reduce", 4 << 20))
+        _, slow_lat = under(op, compute_alone, self._collective("all_gather", 64 << 10))
+        self.kernels.operands.clear()
         self.log(f"contention: compute x{slow_c:.2f} while communicating, communication x{slow_n:.2f} "
                  f"(bandwidth) and x{slow_lat:.2f} (latency) while computing")
         return slow_c, slow_n, slow_lat
 
+    def _overlapped(self, op: O.Compute, compute_alone: float, comm: Callable[[], Any]) -> tuple[float, float]:
+        """GPUs: (compute slowdown, collective slowdown), each side timed by CUDA events
+        on its own stream while the other side's calls run on theirs, both released at
+        the same moment (``CudaTimer.beside``): real overlap on the device, in each
+        direction separately (``runtime.timing.mutual_slowdown``)."""
+        comm_alone = self._together(comm, self.comm_timer)
+
+        def gemm() -> None:
+            self.kernels.run(op)
+
+        def compute_beside(n: int, nb: int) -> float:
+            dist.barrier()
+            return self.timer.beside(gemm, n, self.comm_timer, comm, nb)
+
+        def comm_beside(n: int, nb: int) -> float:
+            dist.barrier()
+            return self.comm_timer.beside(comm, n, self.timer, gemm, nb)
+
+        return mutual_slowdown(compute_alone, comm_alone, self.min_s, compute_beside, comm_beside, self.agree)
+
     def _under_compute(self, op: O.Compute, compute_alone: float, comm: Callable[[], Any]) -> tuple[float, float]:
-        """(compute slowdown, collective slowdown) with ``comm`` in a background thread."""
+        """CPUs: (compute slowdown, collective slowdown) with ``comm`` in a background
+        thread, as gloo's collectives block the thread that calls them.
+
+        A fixed number of collectives run in the background (the same count on every
+        rank, so none is left waiting) while the foreground runs matmuls until they are
+        done; each side's rate is compared with its rate alone. The collective's own
+        thread then competes for the core with the rank's kernels, and a small
+        collective waits for the scheduler at every message of its protocol, so its
+        latency suffers more than a large one's bandwidth."""
         comm_alone = self._together(comm)
         budget = 0.1 if self.quick else 0.3
         reps = max(3 if self.quick else 4, int(budget / max(comm_alone, 1e-6)))
@@ -239,7 +388,6 @@ class Calibrator:
             t = time.perf_counter()
             for _ in range(reps):
                 comm()
-            self.sync()
             comm_elapsed[0] = time.perf_counter() - t
             done.set()
 
@@ -250,15 +398,13 @@ class Calibrator:
         count = 0
         while not done.is_set():
             self.kernels.run(op)
-            self.sync()
             count += 1
         fg = time.perf_counter() - t
         th.join()
         compute_busy = fg / max(count, 1)
         comm_busy = comm_elapsed[0] / reps
-        res = torch.tensor([compute_busy / compute_alone, comm_busy / comm_alone], dtype=torch.float64)
-        dist.all_reduce(res, op=dist.ReduceOp.MAX)
-        return max(1.0, float(res[0])), max(1.0, float(res[1]))
+        slow = self.agree_all([compute_busy / compute_alone, comm_busy / comm_alone])
+        return max(1.0, slow[0]), max(1.0, slow[1])
 
     # ------------------------------------------------------------ executor costs
     def executor_overheads(self) -> tuple[int, int]:
@@ -276,48 +422,61 @@ class Calibrator:
         starts = sorted(r.start_ns for r in issue if r.step == 0)
         gaps = [b - a for a, b in zip(starts, starts[1:])]
         issue_ns = int(statistics.median(gaps)) if gaps else 0
-        res = torch.tensor([per_op, issue_ns], dtype=torch.float64)
-        dist.all_reduce(res, op=dist.ReduceOp.MAX)
-        self.log(f"executor: {res[0] / 1e3:.1f} us per op, host issue {res[1] / 1e3:.1f} us")
-        return int(res[1]), int(res[0])
+        per_op, issue_f = self.agree_all([per_op, float(issue_ns)])
+        self.log(f"executor: {per_op / 1e3:.1f} us per op, host issue {issue_f / 1e3:.1f} us")
+        return int(issue_f), int(per_op)
 
     def alloc(self) -> tuple[float, float, list[list[float]]]:
         """Allocations as the executor makes them (on CPUs: zeroed host memory), in a
         steady state like a training step's: each round allocates every size in turn,
         holds them all, then frees them. Returns the latency-bandwidth line and the
         per-size table. With a caching allocator (GPUs) the cache is emptied between
-        rounds, so each round times cudaMalloc itself (what a cache miss costs). With
-        malloc (CPUs) the table matters: glibc reuses heap pages below its mmap threshold
-        (up to 32 MiB) and maps fresh ones above it, so the cost per byte jumps across
-        it; sizes on both sides of 32 MiB are measured."""
+        rounds, so each round times cudaMalloc itself (what a cache miss costs): the
+        host's time for the call, with the device idle before it (cudaMalloc waits for
+        it), and no synchronise after it (the allocation queues nothing). With malloc
+        (CPUs) the table matters: glibc reuses heap pages below its mmap threshold (up
+        to 32 MiB) and maps fresh ones above it, so the cost per byte jumps across it;
+        sizes on both sides of 32 MiB are measured."""
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 30 << 20, 34 << 20, 64 << 20]
         if self.quick:
             sizes = [4 << 10, 1 << 20, 16 << 20, 34 << 20]
         if self.platform.caching_allocator:
             make = (lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
         else:
-            make = (lambda n: torch.zeros(n, dtype=torch.uint8))
+            make = (lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device))
         rounds = 4 if self.quick else 8
         times: dict[int, list[float]] = {n: [] for n in sizes}
         for r in range(rounds + 1):
             dist.barrier()
             live = []
             for n in sizes:
+                self.sync()  # GPUs: the device idle, as cudaMalloc waits for it
                 t = time.perf_counter()
                 live.append(make(n))
-                self.sync()
                 if r:  # the first round warms the heap up
                     times[n].append(time.perf_counter() - t)
             del live
             if self.platform.caching_allocator:  # each round's allocations are cudaMalloc calls, not cache hits
                 self.sync()
                 torch.cuda.empty_cache()
-        mean = torch.tensor([statistics.fmean(times[n]) for n in sizes], dtype=torch.float64)  # see _together
-        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
-        pts = [(float(n), float(t)) for n, t in zip(sizes, mean.tolist())]
+        mean = self.agree_all([statistics.fmean(times[n]) for n in sizes])  # see _together
+        pts = [(float(n), float(t)) for n, t in zip(sizes, mean)]
         a, bw = _latency_bandwidth(pts)
         self.log("allocation: " + ", ".join(f"{n / 2**20:g} MiB {t * 1e3:.2f} ms" for n, t in pts))
         return a, 1.0 / bw, [[int(x), y] for x, y in pts]
+
+    def allocator_stats(self) -> dict[str, int] | None:
+        """GPUs: the caching allocator's statistics after the calibration
+        (``torch.cuda.memory_stats``): retries (cache flushes), out-of-memory errors,
+        peak reserved and allocated bytes, cudaMalloc and cudaFree calls. What a run on
+        this device did, recorded with the profile; None on CPUs (malloc keeps none)."""
+        if self.device.type != "cuda":
+            return None
+        stats = torch.cuda.memory_stats(self.device)
+        keys = {"num_alloc_retries": "num_alloc_retries", "num_ooms": "num_ooms",
+                "reserved_bytes.all.peak": "reserved_bytes_peak", "allocated_bytes.all.peak": "allocated_bytes_peak",
+                "num_device_alloc": "num_device_alloc", "num_device_free": "num_device_free"}
+        return {name: int(stats.get(key, 0)) for key, name in keys.items()}
 
     def first_touch(self) -> float:
         """Host memory: seconds per byte that a fresh page's first write costs over a
@@ -334,7 +493,7 @@ class Calibrator:
         per_round = []
         for r in range(rounds + 1):
             dist.barrier()
-            x = torch.empty(n, dtype=torch.uint8)
+            x = torch.empty(n, dtype=torch.uint8, device=self.device)
             t0 = time.perf_counter()
             x.fill_(1)
             t1 = time.perf_counter()
@@ -344,19 +503,27 @@ class Calibrator:
             t3 = time.perf_counter()
             if r:  # the first round warms the code path up
                 per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n)
-        mean = torch.tensor([max(0.0, statistics.fmean(per_round))], dtype=torch.float64)  # see _together
-        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
-        self.log(f"first touch of fresh pages: {mean.item() * 1e9:.3f} ns/B")
-        return float(mean.item())
+        mean = self.agree(max(0.0, statistics.fmean(per_round)))  # see _together
+        self.log(f"first touch of fresh pages: {mean * 1e9:.3f} ns/B")
+        return mean
+
+    def devices(self) -> list[str]:
+        """Every rank's device name, each once, in order of first appearance."""
+        names: list[Any] = [None] * self.world
+        dist.all_gather_object(names, device_name(self.device))
+        return list(dict.fromkeys(str(n) for n in names))
 
     # ------------------------------------------------------------ all
     def run(self) -> dict[str, Any]:
         """Every benchmark, in an order that spreads the exact GEMM shapes' rounds over
         the calibration; returns the profile document."""
         t0 = time.perf_counter()
+        devices = self.devices()
         gemm_by_dtype = {"fp32": self.gemm(torch.float32), "bf16": self.gemm(torch.bfloat16)}
         self.gemm_shapes_round()  # exact shapes: at the start, the middle and the end (not quick)
         mem_a, mem_bw, mem_points = self.memory()
+        kernel_ns = self.kernel_overhead_ns()
+        copies = self.copies()
         colls = self.collectives()
         if not self.quick:
             self.gemm_shapes_round()
@@ -370,11 +537,14 @@ class Calibrator:
         cores = cpu_cores()
         slice_ns = time_slice(self, cores)
         noise = rank_noise(self, cores)
+        allocator = self.allocator_stats()
         self.log(f"calibration took {time.perf_counter() - t0:.0f} s")
         measured = Measured(
             gemm_by_dtype=gemm_by_dtype, gemm_shapes_by_dtype=shapes, mem_latency_s=mem_a, mem_bytes_per_s=mem_bw,
             mem_points=mem_points, collectives=colls, comm_slowdown=slow_c, comm_slowdown_during_compute=slow_n,
             comm_latency_slowdown_during_compute=slow_lat, issue_ns=issue_ns, per_op_ns=per_op_ns,
             alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
-            first_touch_s_per_byte=first_touch, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise)
+            first_touch_s_per_byte=first_touch, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise,
+            devices=devices, nodes=self.nodes, kernel_overhead_ns=kernel_ns, copies=copies,
+            allocator=allocator)
         return profile_document(measured, self.platform, self.device, self.world, self.ranks_per_node)

@@ -38,9 +38,9 @@ def rank_noise(cal: Calibrator, cores: int) -> dict[str, float] | None:
     core): every rank runs the same GEMM back to back for a few seconds; the mean log
     time over the median, in 10 ms bins, is gathered and fitted as an OU process
     (commsim.hardware.noise). None on GPUs (kernel times vary by ~1%, the simulator's
-    default jitter) and with more ranks than cores (the simulated time slicing is
-    that noise)."""
-    if not cal.platform.inline_kernels or cal.ranks_per_node > cores:
+    default jitter), with more ranks than cores (the simulated time slicing is
+    that noise) and with one rank (nothing to drift apart from)."""
+    if not cal.platform.inline_kernels or cal.ranks_per_node > cores or cal.world < 2:
         return None
     bin_ns = 10_000_000
     span_ns = 2_000_000_000 if cal.quick else 4_000_000_000
@@ -68,7 +68,7 @@ def rank_noise(cal: Calibrator, cores: int) -> dict[str, float] | None:
     for sm, c in zip(sums, counts):
         last = sm / c if c else last  # a bin with no kernel start (descheduled): the previous
         series.append(last)
-    mine = torch.tensor(series, dtype=torch.float64)
+    mine = torch.tensor(series, dtype=torch.float64, device=cal.device)  # on the group's device
     every = [torch.empty_like(mine) for _ in range(cal.world)]
     dist.all_gather(every, mine)
     sd, corr_ns = fit_rank_noise([e.tolist() for e in every], bin_ns)

@@ -7,6 +7,11 @@ on the rank's buffers where one is large enough. With ``check_data`` every colle
 carries known values and comes with a check of its result: an all-gather must hold the
 concatenation of every rank's shard, a reduce-scatter or all-reduce the sum (or max),
 a broadcast the root's buffer.
+
+The known values are exact in every dtype a schedule uses, whatever the group's size:
+small non-negative integers, and sums whose every partial sum is one too (at most 254:
+bf16 holds every integer up to 256 exactly, uint8 up to 255), so a result is checked
+for equality, in any order the backend adds in (``check_values``).
 """
 
 from __future__ import annotations
@@ -56,9 +61,14 @@ class Collectives:
         self.groups = ProcessGroups(schedule, schedule.world_size)
         self.partitions: dict[tuple, torch.Tensor] = {}  # persistent own-side tensors of collectives
 
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of the partitions kept across steps (the executor's, not the schedule's)."""
+        return sum(t.numel() * t.element_size() for t in self.partitions.values())
+
     def _tensor(self, names: tuple[str, ...], nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A typed view of the first listed buffer large enough, else a scratch tensor."""
-        item = torch.empty(0, dtype=dtype).element_size()
+        item = dtype.itemsize
         if self.check_data:
             names = ()  # concurrent collectives may target one buffer: keep checked data apart
         for n in names:
@@ -81,9 +91,6 @@ class Collectives:
             t = self.partitions[key] = torch.zeros(numel, dtype=dtype, device=self.device)
         return t
 
-    def _fill(self, t: torch.Tensor, value: float) -> None:
-        t.fill_(value)
-
     def issue(self, op: O.Collective) -> tuple[Any, Callable[[], None] | None]:
         """Issue one collective asynchronously; returns (work, check) where check()
         verifies the data once the work is done (None without ``check_data``)."""
@@ -92,17 +99,17 @@ class Collectives:
         p = len(op.group)
         me = op.group.index(self.rank)
         check: Any = None
-        tag = float(op.id % 7)
+        tag = int(op.id)
         if op.kind is O.CollectiveKind.ALL_GATHER:
             out = self._tensor(op.buffers, op.size_bytes, dtype)
             shard = self._partition(op, out.numel() // p, dtype)
             if self.check_data:
-                self._fill(shard, me + 1 + tag)
+                _fill(shard, shard_values(me, shard.numel(), tag))
 
                 def _check() -> None:
+                    n = shard.numel()
                     for r in range(p):
-                        chunk = out[r * shard.numel():(r + 1) * shard.numel()]
-                        if not bool((chunk == r + 1 + tag).all()):
+                        if not _equal(out[r * n:(r + 1) * n], shard_values(r, n, tag)):
                             raise DataMismatch(f"all-gather chunk {r} does not hold rank {op.group[r]}'s shard")
                 check = _check
             work = all_gather(out, shard, group=group, async_op=True)
@@ -110,10 +117,10 @@ class Collectives:
             inp = self._tensor(op.buffers, op.size_bytes, dtype)
             out = self._partition(op, inp.numel() // p, dtype)
             if self.check_data:
-                self._fill(inp, me + 1)
+                _fill(inp, sum_terms(me, p, inp.numel()))
 
                 def _check() -> None:
-                    if not bool((out == p * (p + 1) / 2).all()):
+                    if not _equal(out, sum_expected(p, out.numel(), me * out.numel())):
                         raise DataMismatch(f"reduce-scatter result is not the sum over {p} ranks")
                 check = _check
             work = reduce_scatter(out, inp, op=_REDUCE[op.reduce_op or O.ReduceOp.SUM], group=group, async_op=True)
@@ -121,11 +128,15 @@ class Collectives:
             buf = self._tensor(op.buffers, op.size_bytes, dtype)
             rop = op.reduce_op or O.ReduceOp.SUM
             if self.check_data:
-                self._fill(buf, me + 1)
-                expect = p * (p + 1) / 2 if rop is not O.ReduceOp.MAX else p
+                if rop is O.ReduceOp.MAX:
+                    _fill(buf, shard_values(me, buf.numel(), tag))
+                    expect = max_expected(p, buf.numel(), tag)
+                else:
+                    _fill(buf, sum_terms(me, p, buf.numel()))
+                    expect = sum_expected(p, buf.numel())
 
                 def _check() -> None:
-                    if not bool((buf == expect).all()):
+                    if not _equal(buf, expect):
                         raise DataMismatch(f"all-reduce result is not the {rop.value} over {p} ranks")
                 check = _check
             work = dist.all_reduce(buf, op=_REDUCE[rop], group=group, async_op=True)
@@ -133,11 +144,74 @@ class Collectives:
             buf = self._tensor(op.buffers, op.size_bytes, dtype)
             root = op.root if op.root is not None else op.group[0]
             if self.check_data:
-                self._fill(buf, 42.0 if self.rank == root else 0.0)
+                sent = shard_values(op.group.index(root), buf.numel(), tag)
+                _fill(buf, sent if self.rank == root else torch.zeros_like(sent))
 
                 def _check() -> None:
-                    if not bool((buf == 42.0).all()):
+                    if not _equal(buf, sent):
                         raise DataMismatch(f"broadcast did not deliver rank {root}'s buffer")
                 check = _check
             work = dist.broadcast(buf, src=root, group=group, async_op=True)
         return work, check
+
+
+# ---------------------------------------------------------------- check values
+# Every value is a non-negative integer of at most 254, so it is exact in every dtype
+# a schedule uses (bf16 holds each integer up to 2^8 = 256 exactly, fp16 up to 2048,
+# uint8 up to 255), and so is every sum below: at most SUM_TERMS ranks add a non-zero
+# term (1 or 2) to an element, so every partial sum, in whatever order the backend
+# adds, is an integer of at most 254. (Filling rank r with r + 1 made the sum
+# p(p + 1)/2, past 256 from 23 ranks on: false mismatches in bf16.)
+SUM_TERMS = 127
+_PATTERN = 251  # a prime below 255: a shard's values repeat only every 251 elements
+
+
+def shard_values(index: int, numel: int, tag: int) -> torch.Tensor:
+    """The values the ``index``-th member of a group sends (an all-gather's shard, a
+    max's input, a broadcast's buffer), in 1..251: shifted per member and per op, so
+    that a chunk from the wrong member or op differs from the expected one."""
+    e = torch.arange(numel, dtype=torch.int64, device="cpu")
+    return (1 + (index + 13 * e + 29 * tag) % _PATTERN).to(torch.float64)
+
+
+def _stride(p: int) -> int:
+    """Element e takes a term from the members whose index is e modulo this."""
+    return -(-p // SUM_TERMS)
+
+
+def sum_terms(index: int, p: int, numel: int) -> torch.Tensor:
+    """What the ``index``-th of ``p`` members adds to a sum: at the elements e with
+    e = index (mod stride), 1 for even members and 2 for odd ones; 0 elsewhere. Every
+    member adds to some element (a lost member shows) and no element gets more than
+    SUM_TERMS terms."""
+    m = _stride(p)
+    e = torch.arange(numel, dtype=torch.int64, device="cpu")
+    return ((e % m) == (index % m)).to(torch.float64) * (1 + index % 2)
+
+
+def sum_expected(p: int, numel: int, offset: int = 0) -> torch.Tensor:
+    """The sum over ``p`` members of ``sum_terms``, at elements ``offset`` ..
+    ``offset + numel`` of the summed tensor (a reduce-scatter keeps one chunk)."""
+    m = _stride(p)
+    totals = torch.zeros(m, dtype=torch.float64, device="cpu")
+    for r in range(p):
+        totals[r % m] += 1 + r % 2
+    return totals[(torch.arange(numel, dtype=torch.int64, device="cpu") + offset) % m]
+
+
+def max_expected(p: int, numel: int, tag: int) -> torch.Tensor:
+    """The element-wise max over ``p`` members of ``shard_values``."""
+    out = torch.zeros(numel, dtype=torch.float64, device="cpu")
+    for r in range(min(p, _PATTERN)):  # the values repeat with the member's index modulo 251
+        out = torch.maximum(out, shard_values(r, numel, tag))
+    return out
+
+
+def _fill(t: torch.Tensor, values: torch.Tensor) -> None:
+    t.copy_(values.to(dtype=t.dtype).to(t.device))
+
+
+def _equal(t: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Exact equality: the values are integers every dtype here holds exactly, so the
+    comparison is in float64, with no tolerance."""
+    return bool(torch.equal(t.detach().to("cpu", torch.float64), expected))

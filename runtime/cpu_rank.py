@@ -84,6 +84,10 @@ class CpuRank:
         self.coll_index = {op.id: i for i, op in enumerate(colls)}
         self.no_future: set[O.CollectiveKind] = set()  # the backend's works of these kinds have none
 
+    def setup(self) -> None:
+        for op in self.ex.program.setup:
+            self.ex._alloc(op)
+
     def run_step(self) -> tuple[int, list[TraceRecord]]:
         return _CpuStep(self.ex, self.coll_index, self.no_future).run()
 
@@ -287,9 +291,7 @@ class _CpuStep:
             for op in ex.program.step:
                 if self.errors:
                     break
-                ex.current = op
-                if ex.opts.progress is not None:
-                    ex.opts.progress[ex.rank] = int(op.id)
+                ex.note(op)
                 start = time.perf_counter_ns()
                 if isinstance(op, O.HostWork):
                     spin_ns(op.duration_ns)

@@ -4,10 +4,13 @@ Every op of the rank's program runs for real:
 
 * buffers are real tensors of their stated size, allocated and freed in program order
   (through PyTorch's caching allocator where the platform has one, with
-  ``record_stream`` for buffers used on other streams, so its behaviour is measured and
-  ``torch.cuda.memory_stats`` is kept; else zeroed host memory, as malloc gives it);
+  ``record_stream`` for buffers used on other streams than their allocation's, so its
+  behaviour is measured and ``torch.cuda.memory_stats`` is kept, along with the device
+  memory the executor holds beyond the schedule's buffers; else zeroed host memory, as
+  malloc gives it);
 * compute and copy ops are real kernels (``runtime.kernels``): a GEMM of the op's shape,
-  a memory-bound kernel moving the op's bytes otherwise;
+  a memory-bound kernel moving the op's bytes otherwise, a pinned non-blocking copy
+  between host and device;
 * collectives are real ``torch.distributed`` collectives of the op's kind, size, dtype
   and process group, issued asynchronously (``runtime.collectives``);
 * host work spins the host for its duration; host syncs wait for their ops / streams.
@@ -40,7 +43,8 @@ from commsim.ir.trace import TraceRecord
 from runtime.collectives import Collectives
 from runtime.cpu_rank import CpuRank
 from runtime.gpu_rank import GpuRank
-from runtime.kernels import Kernels, default_precision, device_of
+from runtime.rendezvous import LaunchEnv, launch_env
+from runtime.kernels import Kernels, StreamKernels, default_precision, device_of
 from runtime.step import DataMismatch, ExecutionError, RankStep, op_failure, rebased
 
 __all__ = ["DataMismatch", "ExecutionError", "RankExecutor", "RankOptions", "RankRun", "env_rank"]
@@ -60,6 +64,7 @@ class RankRun:
     records: list[TraceRecord] = field(default_factory=list)
     step_times_ns: list[int] = field(default_factory=list)
     memory_stats: dict[str, int] = field(default_factory=dict)
+    own_device_bytes: int = 0  # the executor's own device memory (kernels' rings, scratch, partitions)
 
 
 class RankExecutor:
@@ -77,15 +82,23 @@ class RankExecutor:
         # kernels in the schedule's precision (what the real model would run in)
         precision = schedule.meta.precision or default_precision(self.platform)
         dtype = options.compute_dtype or {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
-        self.kernels = Kernels(self.device, dtype)
+        # Streams that run at once (GPUs) each get memory of their own, sized before the
+        # first step; kernels that run one at a time on the host thread share one ring.
+        self.kernels: Any = (Kernels(self.device, dtype) if self.platform.inline_kernels
+                             else StreamKernels(self.device, dtype, self.program))
         self.buffers: dict[str, torch.Tensor] = {}
         self.collectives = Collectives(schedule, rank, self.device, self.buffers, options.check_data)
-        self.buffer_streams: dict[str, set[str]] = {}
         self.text = {op.id: op_to_text(op) for op in self.program.all_ops()}
         self.current: O.Op | None = None
         self.step = 0
 
     # ------------------------------------------------------------ helpers
+    def note(self, op: O.Op) -> None:
+        """The host is issuing ``op``: the launcher names a rank that dies or hangs by it."""
+        self.current = op
+        if self.opts.progress is not None:
+            self.opts.progress[self.rank] = int(op.id)
+
     def fail(self, op: O.Op, err: BaseException) -> ExecutionError:
         return op_failure(self.rank, self.step, op, self.text.get(op.id, str(op)), err)
 
@@ -96,12 +109,11 @@ class RankExecutor:
             # Host memory comes fresh from the OS for large blocks (no caching allocator in
             # front of malloc): touch it now, so its page faults are paid by the allocation
             # rather than by whichever kernel or collective writes it first.
-            self.buffers[op.buffer] = torch.zeros(op.size_bytes, dtype=torch.uint8)
+            self.buffers[op.buffer] = torch.zeros(op.size_bytes, dtype=torch.uint8, device=self.device)
         else:  # only part of it is ever written: touch that part, as the model prices it
-            buf = torch.empty(op.size_bytes, dtype=torch.uint8)
+            buf = torch.empty(op.size_bytes, dtype=torch.uint8, device=self.device)
             buf[:op.touch_bytes].zero_()
             self.buffers[op.buffer] = buf
-        self.buffer_streams[op.buffer] = set()
 
     def collective(self, op: O.Collective) -> tuple[Any, Callable[[], None] | None]:
         """Issue one collective asynchronously; returns (work, check) where check()
@@ -109,13 +121,9 @@ class RankExecutor:
         return self.collectives.issue(op)
 
     # ------------------------------------------------------------ run
-    def setup(self) -> None:
-        for op in self.program.setup:
-            self._alloc(op)
-
     def run(self) -> RankRun:
-        self.setup()
         impl: RankStep = CpuRank(self) if self.platform.inline_kernels else GpuRank(self)
+        impl.setup()
         out = RankRun()
         for step in range(self.opts.warmup + self.opts.steps):
             self.step = step
@@ -126,16 +134,13 @@ class RankExecutor:
                 s = step - self.opts.warmup
                 out.records.extend(rebased(r, t0, s) for r in recs)
                 out.step_times_ns.append(max((r.end_ns for r in recs), default=t0) - t0)
-        if self.platform.caching_allocator:
+        if self.device.type == "cuda":
             out.memory_stats = {k: int(v) for k, v in torch.cuda.memory_stats(self.device).items()
                                 if isinstance(v, (int, float))}
+            out.own_device_bytes = self.kernels.nbytes + self.collectives.own_bytes
         return out
 
 
-def env_rank() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) when launched by torchrun / srun, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
-        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_LOCALID", 0))
-    return None
+def env_rank() -> LaunchEnv | None:
+    """This rank's place in a job torchrun / srun started (``runtime.rendezvous``), else None."""
+    return launch_env(os.environ)

@@ -10,8 +10,10 @@ failing rank's own message when it could write one, else the op it was issuing (
 shared progress array every rank updates).
 
 ``execute()`` and ``calibrate()`` are what ``commsim execute`` and ``commsim calibrate``
-run: as one rank of a job torchrun / srun started (the environment names the rank), or
-by starting the local ranks themselves.
+run: as one rank of a job torchrun / srun started (the environment names the rank, its
+node's ranks and the rendezvous: ``runtime.rendezvous``), or by starting the local ranks
+themselves. On GPUs each rank drives one device: the only one it sees when the launcher
+gave each task its own, else the one of its rank on the node.
 """
 
 from __future__ import annotations
@@ -56,8 +58,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bind_device(backend: str, local_rank: int) -> None:
+    """A GPU backend's rank drives one device (``rendezvous.cuda_device_index``)."""
+    if _queues_on_gpu(backend):
+        from runtime.rendezvous import cuda_device_index
+
+        torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count()))
+
+
 def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | None,
-           progress=None, err_dir: str | None = None) -> None:
+           progress=None, err_dir: str | None = None, ranks_per_node: int | None = None,
+           nodes: int = 1) -> None:
     from commsim.ir.load import load_schedule_any
     from runtime.executor import RankExecutor, RankOptions
 
@@ -68,8 +79,7 @@ def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | 
     sys.setswitchinterval(0.0002)
     try:
         schedule = load_schedule_any(cfg.schedule_path)
-        if _queues_on_gpu(cfg.backend):
-            torch.cuda.set_device(local_rank)
+        _bind_device(cfg.backend, local_rank)
         dist.init_process_group(cfg.backend, init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s))
         opts = RankOptions(steps=cfg.steps, warmup=cfg.warmup, check_data=cfg.check_data, progress=progress)
@@ -78,16 +88,23 @@ def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | 
         ex = RankExecutor(schedule, rank, cfg.backend, opts)
         run = ex.run()
         gathered = [None] * world if rank == 0 else None
-        dist.gather_object((run.records, run.step_times_ns, run.memory_stats), gathered, dst=0)
+        dist.gather_object((run.records, run.step_times_ns, run.memory_stats, run.own_device_bytes), gathered,
+                           dst=0)
         if rank == 0:
             records = [r for item in gathered for r in item[0]]  # type: ignore[union-attr]
             steps = {r: item[1] for r, item in enumerate(gathered)}  # type: ignore[arg-type]
             mem = gathered[0][2] if gathered else {}  # type: ignore[index]
+            own = gathered[0][3] if gathered else 0  # type: ignore[index]
             per_step = [max(steps[r][i] for r in steps) for i in range(cfg.steps)]
+            # rank 0's allocator figures, and how much of its device memory is the
+            # executor's own (kernels' rings and scratch, collectives' partitions) rather
+            # than the schedule's: what to subtract before comparing with a prediction
             meta = TraceMeta(TraceSource.MEASURED, producer=f"commsim execute ({cfg.backend})",
                              schedule_hash=schedule_hash(schedule), hardware=_machine(cfg.backend),
                              extra=(("step_times_ns", per_step), ("warmup_steps", cfg.warmup),
-                                    ("memory_stats_rank0", mem), ("world_size", world)))
+                                    ("memory_stats_rank0", mem), ("executor_own_device_bytes_rank0", own),
+                                    ("world_size", world), ("ranks_per_node", ranks_per_node or world),
+                                    ("nodes", nodes)))
             make_trace(meta, records).save(cfg.output)
         dist.barrier()
         dist.destroy_process_group()
@@ -125,7 +142,7 @@ def _machine(backend: str) -> str:
 
 
 def _spawned(cfg: ExecConfig, rank: int, world: int, port: int, progress, err_dir: str) -> None:
-    worker(cfg, rank, world, rank, f"tcp://127.0.0.1:{port}", progress, err_dir)
+    worker(cfg, rank, world, rank, f"tcp://127.0.0.1:{port}", progress, err_dir, ranks_per_node=world)
 
 
 def launch_local(cfg: ExecConfig, nproc: int, wall_timeout_s: float | None = None) -> Trace:
@@ -206,12 +223,11 @@ def _calibrate_rank(rank: int, world: int, port: int, backend: str, quick: bool,
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.setswitchinterval(0.0002)  # as in worker(): measure the executor as it will run
     try:
-        if _queues_on_gpu(backend):
-            torch.cuda.set_device(rank)
+        _bind_device(backend, rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         profile = Calibrator(rank, world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True),
-                             shapes=shapes).run()
+                             shapes=shapes, ranks_per_node=world, nodes=1).run()
         if rank == 0:
             atomic_write_text(out, json.dumps(profile, indent=1))
         dist.barrier()
@@ -223,31 +239,28 @@ def _calibrate_rank(rank: int, world: int, port: int, backend: str, quick: bool,
 
 def calibrate_env(backend: str, out: str, quick: bool = False, shapes: tuple = ()) -> None:
     """Calibrate as one rank of a job started by torchrun / srun (or by hand, e.g. ranks in
-    separate network namespaces): rank, world and rendezvous come from the environment
-    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 writes the profile."""
+    separate network namespaces): rank, world, ranks per node and rendezvous come from
+    the environment (``runtime.rendezvous``); rank 0 writes the profile."""
     import json
 
     from commsim.util.files import atomic_write_text
     from runtime.calibrate import Calibrator
     from runtime.executor import env_rank
 
-    found = env_rank()
-    assert found is not None, "calibrate_env needs RANK and WORLD_SIZE in the environment"
-    rank, world, local = found
-    # Ranks sharing a machine (torchrun's LOCAL_WORLD_SIZE, srun's tasks per node): the
-    # profile's node, whose ranks share its links. Unknown: all ranks on one machine.
-    local_world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-    per_node = int(local_world) if local_world.isdigit() and int(local_world) > 0 else world
+    env = env_rank()
+    assert env is not None, "calibrate_env needs RANK / WORLD_SIZE or srun's SLURM_PROCID / SLURM_NTASKS"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.setswitchinterval(0.0002)
-    if _queues_on_gpu(backend):
-        torch.cuda.set_device(local)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+    _bind_device(backend, env.local_rank)
+    dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world,
                             timeout=datetime.timedelta(seconds=300))
+    rank = env.rank
     try:
-        profile = Calibrator(rank, world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True),
-                             shapes=shapes, ranks_per_node=per_node).run()
+        # the ranks sharing a node (and so its links) come from the launcher; unknown
+        # (RANK / WORLD_SIZE set by hand, no LOCAL_WORLD_SIZE): all ranks on one machine
+        profile = Calibrator(rank, env.world, backend, quick=quick, log=lambda m: print(f"calibrate: {m}", flush=True),
+                             shapes=shapes, ranks_per_node=env.ranks_per_node, nodes=env.nodes).run()
         if rank == 0:
             atomic_write_text(out, json.dumps(profile, indent=1))
         dist.barrier()
@@ -300,12 +313,12 @@ def execute(cfg: ExecConfig, nproc: int | None = None) -> Trace | None:
     env = env_rank()
     if env is None:
         return launch_local(cfg, nproc or schedule.world_size)
-    rank, world, local = env
-    if world != schedule.world_size:
+    if env.world != schedule.world_size:
         raise CommsimInputError(f"{cfg.schedule_path}: the schedule has {schedule.world_size} ranks, the launcher "
-                                f"started {world}")
-    worker(cfg, rank, world, local, "env://")
-    return Trace.load(cfg.output) if rank == 0 else None
+                                f"started {env.world}")
+    worker(cfg, env.rank, env.world, env.local_rank, env.init_method, ranks_per_node=env.ranks_per_node,
+           nodes=env.nodes)
+    return Trace.load(cfg.output) if env.rank == 0 else None
 
 
 def gemm_shapes(paths: list[str]) -> tuple[tuple[str, int, int, int, int], ...]:
@@ -351,7 +364,7 @@ def calibrate(out: str, backend: str = "gloo", nproc: int = 2, quick: bool = Fal
         if deepspeed_host_costs:
             raise CommsimInputError("--deepspeed-host-costs: run it without torchrun (it launches its own ranks)")
         calibrate_env(backend, out, quick=quick, shapes=shapes)
-        return Calibrated(found[1], True, found[0] == 0)
+        return Calibrated(found.world, True, found.rank == 0)
     calibrate_local(nproc, backend, out, quick=quick, shapes=shapes)
     if deepspeed_host_costs:
         from commsim.util.files import atomic_write_text

@@ -43,7 +43,11 @@ def rebased(rec: TraceRecord, t0_ns: int, step: int) -> TraceRecord:
 
 
 class RankStep(Protocol):
-    """One rank's behaviour: runs a step of its program."""
+    """One rank's behaviour: allocates its program's setup, runs a step of it."""
+
+    def setup(self) -> None:
+        """Allocate the program's persistent buffers (before the first step)."""
+        ...
 
     def run_step(self) -> tuple[int, list[TraceRecord]]:
         """(host clock at the step's start in ns, a record per op run)."""

@@ -178,12 +178,77 @@ def test_predict_with_a_measured_profile(tmp_path):
 
     prof = tmp_path / "profile.json"
     prof.write_text(json.dumps({**PROFILE, "collectives": {
-        k: {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}} for k in ("all_gather", "reduce_scatter", "all_reduce")}}))
+        k: {"intra_node": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}}
+        for k in ("all_gather", "reduce_scatter", "all_reduce")}}))
     res = predict_json("--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16",
                        "--hw-profile", str(prof))
     assert res["step_time_s"] > 0 and res["mode"] == "symmetric"
     out = run("predict", "--hw-profile", str(tmp_path / "missing.json"))
     assert out.returncode == 2 and "missing.json: cannot read" in out.stderr
+
+
+def _refused(out) -> str:
+    """The one line a refused command printed (exit 2, nothing on stdout)."""
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and out.stdout == "" and len(lines) == 1, (out.returncode, out.stdout, out.stderr)
+    return lines[0]
+
+
+def test_predict_refuses_what_a_profile_cannot_price(tmp_path):
+    """A 2-rank gloo profile measured one CPU node: it cannot price a GPU cluster named by
+    --net or --cluster, more ranks on a node than it measured, nor (unless
+    --extrapolate) groups larger than, or placed unlike, those it measured."""
+    stored = "traces/local-cpu/small_z2.profile.json"
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    line = _refused(run("predict", "--net", "efa", "--hw-profile", stored, cwd=root))
+    assert line == (f"commsim: error: --hw-profile {stored}: a gloo profile of CPU: AMD EPYC cannot price the GPU "
+                    "cluster 8x p4d (EFA 4x100Gb/s) (--net efa); calibrate that cluster with --backend nccl, or leave "
+                    "out --net / --cluster to predict the profiled machine")
+    line = _refused(run("predict", "--cluster", "dgx-a100", *TINY[2:], "--hw-profile", stored, cwd=root))
+    assert "cannot price the GPU cluster 1x dgx-a100 (IB 8x200Gb/s HDR) (--cluster dgx-a100);" in line
+    line = _refused(run("predict", "--hw-profile", stored, cwd=root))  # the seed scenario: 8 GPUs a node
+    assert line == (f"commsim: error: --hw-profile {stored}: measured 2 rank(s) per node, the scenario puts 8 on a "
+                    "node; calibrate with 8 ranks per node or set --gpus-per-node 2")
+
+    from tests.hardware.test_costs import PROFILE
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({**PROFILE, "world_size": 4, "ranks_per_node": 4, "collectives": {
+        k: {"intra_node": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}}
+        for k in ("all_gather", "reduce_scatter", "all_reduce")}}))
+    tiny4 = ["--model", "tiny", "--micro-batch", "2", "--seq", "16", "--nodes", "1", "--gpus-per-node", "4"]
+    line = _refused(run("predict", *tiny4, "--hw-profile", str(prof)))
+    assert line == (f"commsim: error: --hw-profile {prof}: the schedule has collectives over 4 ranks inside a node, "
+                    "the profile measured groups of at most 2 inside a node; calibrate a job that large, or pass "
+                    "--extrapolate to price them from the nearest measured group")
+    tiny2x2 = ["--model", "tiny", "--micro-batch", "2", "--seq", "16", "--nodes", "2", "--gpus-per-node", "2"]
+    line = _refused(run("predict", *tiny2x2, "--hw-profile", str(prof)))
+    assert "the schedule has collectives over 4 ranks across nodes, the profile measured no group across nodes" in line
+    out = run("predict", *tiny2x2, "--hw-profile", str(prof), "--extrapolate")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == ("commsim: warning: --extrapolate: collectives over 4 ranks across nodes priced from "
+                                  "the profile's nearest measured group (no group across nodes)")
+
+
+def test_the_report_says_what_came_from_the_profile(tmp_path):
+    from tests.hardware.test_costs import PROFILE
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({**PROFILE, "collectives": {
+        k: {"intra_node": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}}
+        for k in ("all_gather", "reduce_scatter", "all_reduce")}}))
+    out = run("predict", *TINY, "--hw-profile", str(prof))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1] == (f"from profile {prof} (gloo, CPU: test; 2 rank(s) per node x 1 node(s)): GEMMs by size, "
+                        "memory-bound kernels, copies, collectives (groups measured: 2 inside a node), "
+                        "compute/communication contention, executor overheads, allocation costs, memory size (8.6 GB)")
+    assert lines[2] == ("from cluster preset p4d: the world's shape (1 node(s) x 2 rank(s)) and the price per hour")
+    res = predict_json(*TINY, "--hw-profile", str(prof))
+    assert res["hardware_sources"] == lines[1:3]
+    assert predict_json(*TINY)["hardware_sources"] == []  # a preset: everything from it
 
 
 TINY = ["--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16"]

@@ -71,7 +71,14 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
 def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> None:
     """The fabric and measured profile (predict, sweep, tune), and the simulation mode flags."""
     p.add_argument("--net", choices=("efa", "ib"), help="inter-node fabric: efa or ib (default: the cluster's own)")
-    p.add_argument("--hw-profile", metavar="FILE", help="measured hardware profile (from commsim calibrate)")
+    p.add_argument("--hw-profile", metavar="FILE",
+                   help="measured hardware profile (from commsim calibrate): its machine replaces the cluster's "
+                   "hardware; the cluster lends only the world's shape and price, and naming another --cluster or a "
+                   "--net asks for that GPU cluster, which only an nccl profile can price")
+    p.add_argument("--extrapolate", action="store_true",
+                   help="with --hw-profile: price collectives over more ranks than the profile measured (or placed "
+                   "across nodes when it measured one node) from its nearest measured group, with a warning, instead "
+                   "of refusing the scenario")
     if not simulation:  # symmetric simulation, as the search compares configs, not noise
         p.set_defaults(mode="auto", seed=0, jitter=None)
         return

@@ -18,6 +18,7 @@ def report_lines(pred, seed: int) -> list[str]:
     """The text report of a prediction (``seed``: the first seed asked for)."""
     m = pred.metrics
     out = [pred.title]
+    out.extend(pred.sources)
     mode = ("symmetric: one rank simulated for identical ranks" if m.mode == "symmetric"
             else f"per-rank: {len(pred.result.ranks)} ranks simulated, jitter {m.jitter:.1%}")
     if pred.result.cpu_sharing:
@@ -74,6 +75,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.json:
         out = m.to_json()
         out["scenario"] = pred.scenario
+        out["hardware_sources"] = list(pred.sources)
         print(json.dumps(out, indent=1, default=str))
         return 0 if m.oom is None else 1
     print("\n".join(report_lines(pred, args.seed)))

@@ -2,28 +2,46 @@
 
 A profile replaces the spec-derived constants with measurements made with the same
 backend the user will run: GEMM throughput by size, memory-bound bandwidth, copy
-bandwidth, each collective kind's latency and bandwidth by group size (measured per
-kind, never derived from another: gloo's reduce-scatter, for instance, costs a full
-all-reduce), the slowdown of compute while a collective runs, and allocation costs.
+bandwidth, each collective kind's latency and bandwidth by group size and placement
+(measured per kind, never derived from another: gloo's reduce-scatter, for instance,
+costs a full all-reduce), the slowdown of compute while a collective runs, and
+allocation costs. It also says what it measured, so that a prediction it cannot price
+is refused rather than guessed (``commsim.api``): the backend, the devices, the ranks
+per node and the nodes, and (the keys of its collectives table) the group sizes and
+placements.
 
-Format (JSON)::
+Format (JSON), schema version 2::
 
-    {"kind": "commsim-hw-profile", "schema_version": 1, "description": "...",
-     "backend": "gloo", "ranks_per_node": 2, "memory_bytes": 8589934592,
+    {"kind": "commsim-hw-profile", "schema_version": 2, "description": "...",
+     "backend": "gloo",                 # the torch.distributed backend measured
+     "devices": ["CPU: AMD EPYC"],      # every rank's device name, each once
+     "world_size": 2, "ranks_per_node": 2, "nodes": 1,
+     "memory_bytes": 8589934592,
      "kernel_overhead_ns": 20000,
      "gemm": [[flops, flops_per_s], ...],          # ascending flops
      "elementwise_bytes_per_s": 4e9,
-     "copy": {"d2d_bytes_per_s": 4e9, "h2d_bytes_per_s": 4e9, "latency_ns": 2000},
-     "collectives": {"all_gather": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}, ...},
+     "copy": {"d2d_bytes_per_s": 4e9, "h2d_bytes_per_s": 4e9, "latency_ns": 2000,
+              "d2h_bytes_per_s": 4e9, "d2h_latency_ns": 2000},  # d2h: optional, else h2d's
+     "collectives": {"all_gather": {"intra_node": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}},
+                                    "inter_node": {"4": {...}}}, ...},
      "comm_slowdown": 1.5,              # compute runs this much slower during a collective
      "comm_slowdown_during_compute": 2, # and collectives this much slower during compute (optional)
      "comm_latency_slowdown_during_compute": 3,  # and their fixed latency (optional)
      "issue_ns": 20000,                 # host time to issue one device op (optional)
      "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
      "rank_noise": {"sd": 0.1, "corr_ns": 300000000},  # ranks' speed drift (optional): see below
+     "allocator": {"num_alloc_retries": 0, ...},  # GPUs (optional): torch.cuda.memory_stats after calibrating
      "alloc": {"malloc_base_ns": 5000, "malloc_ns_per_byte": 0.0,
                "free_base_ns": 5000, "free_ns_per_byte": 0.0,
                "points": [[bytes, seconds], ...]}}  # optional: host allocations by size
+
+Version 1 profiles are refused with the fix (re-run ``commsim calibrate``), not read
+with the new fields guessed: they do not say where their groups sat (inside a node or
+across nodes) or on which devices, and on GPUs they were measured by the code this
+version corrects (host<->device copies at half the memory bandwidth, every GEMM timed
+with a device synchronise, contention measured as serialisation), so a GPU version-1
+profile prices wrongly and has to be measured again anyway. The CPU profiles kept in
+``traces/local-cpu`` were converted once (their groups were all inside one node).
 
 Host allocations (CPU backends) are priced from ``alloc.points`` when present, piecewise
 linear by size: glibc's malloc serves blocks below its mmap threshold (dynamic, up to
@@ -47,9 +65,10 @@ behind. With it the simulator runs every
 rank (per-rank mode). calibrate measures it on CPU backends.
 
 A collective of ``size_bytes`` over a group of ``p`` ranks takes ``latency_ns +
-size_bytes / bytes_per_s`` alone (nccl-tests' algorithm bandwidth); concurrent
-collectives of one node share its one measured channel (``LinkKind.CHANNEL``), so two
-at once each take longer.
+size_bytes / bytes_per_s`` alone (nccl-tests' algorithm bandwidth), from the fit of its
+group's placement (all its ranks on one node, or not) and the nearest measured size;
+concurrent collectives of one node share its one measured channel
+(``LinkKind.CHANNEL``), so two at once each take longer.
 """
 
 from __future__ import annotations
@@ -68,7 +87,9 @@ from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 from commsim.util.files import read_json
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
+INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
+PLACEMENTS = (INTRA_NODE, INTER_NODE)
 _LINK_UNITS_PER_S = 1e9  # the shared link's capacity; demands are scaled to it
 
 
@@ -115,7 +136,8 @@ class HardwareProfile:
     d2d_bytes_per_s: float
     h2d_bytes_per_s: float
     copy_latency_ns: int
-    collectives: dict[str, dict[int, CollectiveFit]]
+    # kind -> (placement, group size) -> fit; placement INTRA_NODE or INTER_NODE
+    collectives: dict[str, dict[tuple[str, int], CollectiveFit]]
     comm_slowdown: float
     comm_slowdown_during_compute: float
     issue_ns: int
@@ -139,6 +161,22 @@ class HardwareProfile:
     # each rank's speed drift: sd of its log speed and its correlation time (0: none)
     rank_noise_sd: float = 0.0
     rank_noise_corr_ns: int = 0
+    # what was measured: every rank's device, the job's shape
+    devices: tuple[str, ...] = ()
+    world_size: int = 0
+    nodes: int = 1
+    d2h_bytes_per_s: float = 0.0  # 0: as h2d
+    d2h_latency_ns: int | None = None  # None: as h2d
+    allocator: tuple[tuple[str, int], ...] = ()  # GPUs: torch.cuda.memory_stats after calibrating
+
+    @property
+    def groups_measured(self) -> tuple[tuple[str, int], ...]:
+        """Every (placement, group size) some collective kind was measured with."""
+        return tuple(sorted({key for fits in self.collectives.values() for key in fits}))
+
+    def placement(self, group: tuple[int, ...]) -> str:
+        """Where a group's ranks sit on this profile's nodes."""
+        return INTRA_NODE if len({self.node_of(r) for r in group}) == 1 else INTER_NODE
 
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int:
         """An allocation without a caching allocator in front: measured by size when
@@ -221,8 +259,12 @@ class HardwareProfile:
         if self.elementwise_points and (op.direction is O.CopyDirection.D2D or self.platform.inline_kernels):
             # the executor copies with the memory-bound kernel: read + write the bytes
             return self.kernel_overhead_ns + int(self._memory_s(2 * op.size_bytes) * 1e9)
-        bw = self.d2d_bytes_per_s if op.direction is O.CopyDirection.D2D else self.h2d_bytes_per_s
-        return self.copy_latency_ns + int(op.size_bytes / bw * 1e9)
+        if op.direction is O.CopyDirection.D2D:
+            return self.copy_latency_ns + int(op.size_bytes / self.d2d_bytes_per_s * 1e9)
+        if op.direction is O.CopyDirection.D2H and self.d2h_bytes_per_s:
+            latency = self.copy_latency_ns if self.d2h_latency_ns is None else self.d2h_latency_ns
+            return latency + int(op.size_bytes / self.d2h_bytes_per_s * 1e9)
+        return self.copy_latency_ns + int(op.size_bytes / self.h2d_bytes_per_s * 1e9)
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -238,12 +280,19 @@ class HardwareProfile:
         if not fits:
             raise CommsimInputError(f"hardware profile ({self.description}): no measurement of {op.kind.value}; "
                                     "re-run commsim calibrate")
-        # The measured group size nearest to p (ties: the larger, the more conservative).
-        size = min(fits, key=lambda q: (abs(q - p), -q))
-        fit = fits[size]
+        # The group's own placement, and of its sizes the one nearest to p (ties: the
+        # larger, the more conservative). A placement never measured (reachable only
+        # when a prediction was asked to extrapolate) takes the other one's fits.
+        where = self.placement(op.group)
+        sizes = [q for pl, q in fits if pl == where]
+        if not sizes:
+            where = INTER_NODE if where == INTRA_NODE else INTRA_NODE
+            sizes = [q for pl, q in fits if pl == where]
+        size = min(sizes, key=lambda q: (abs(q - p), -q))
+        fit = fits[(where, size)]
         seconds = fit.seconds(op.size_bytes)
         nodes = sorted({self.node_of(r) for r in op.group})
-        return CollectivePlan(f"measured/{size}", fit.latency_ns,
+        return CollectivePlan(f"measured/{where}/{size}", fit.latency_ns,
                               tuple((Link(LinkKind.CHANNEL, n), seconds * _LINK_UNITS_PER_S) for n in nodes))
 
 
@@ -275,7 +324,8 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         raise CommsimInputError(f"{where}: not a commsim hardware profile (missing \"kind\": \"commsim-hw-profile\")")
     if obj.get("schema_version") != PROFILE_SCHEMA_VERSION:
         raise CommsimInputError(f"{where}: unsupported profile schema version {obj.get('schema_version')!r}; "
-                                f"this commsim reads {PROFILE_SCHEMA_VERSION}")
+                                f"this commsim reads {PROFILE_SCHEMA_VERSION} (it records the devices, nodes and "
+                                "group placements measured): re-run commsim calibrate")
     gemm_t = _gemm_points(obj.get("gemm"), f"{where}: field 'gemm'")
     by_dtype = obj.get("gemm_by_dtype", {})
     key = {"fp16": "bf16"}.get(precision or "", precision or "")  # fp16 and bf16 run alike
@@ -292,26 +342,21 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         shapes[(int(row[0]), int(row[1]), int(row[2]), int(row[3]))] = float(row[4])
     copy = obj.get("copy", {})
     alloc = obj.get("alloc", {})
-    colls: dict[str, dict[int, CollectiveFit]] = {}
-    allowed = {k.value for k in O.CollectiveKind}
-    for kind, table in dict(obj.get("collectives", {})).items():
-        if kind not in allowed:
-            raise CommsimInputError(f"{where}: collectives.{kind}: not one of {', '.join(sorted(allowed))}")
-        colls[kind] = {}
-        for p, fit in dict(table).items():
-            w = f"{where}: collectives.{kind}.{p}"
-            if not str(p).isdigit() or int(p) < 2:
-                raise CommsimInputError(f"{w}: group sizes are integers >= 2")
-            points = fit.get("points", [])
-            if not isinstance(points, list) or not all(isinstance(q, list) and len(q) == 2 for q in points):
-                raise CommsimInputError(f"{w}: points must be a list of [bytes, seconds] pairs")
-            colls[kind][int(p)] = CollectiveFit(int(_num(fit, "latency_ns", w, positive=False)),
-                                                _num(fit, "bytes_per_s", w),
-                                                tuple(sorted((float(a), float(b)) for a, b in points)))
+    colls = _collectives(obj.get("collectives", {}), where)
+    backend = obj.get("backend")
+    if not isinstance(backend, str) or not backend:
+        raise CommsimInputError(f"{where}: field 'backend' must name the torch.distributed backend measured "
+                                "(nccl, gloo)")
+    devices = obj.get("devices")
+    if not isinstance(devices, list) or not devices or not all(isinstance(d, str) and d for d in devices):
+        raise CommsimInputError(f"{where}: field 'devices' must be a non-empty list of device names")
     return HardwareProfile(
         description=str(obj.get("description", "")),
-        backend=str(obj.get("backend", "")),
-        ranks_per_node=int(_num(obj, "ranks_per_node", where)),
+        backend=backend,
+        devices=tuple(devices),
+        world_size=_count(obj, "world_size", where),
+        nodes=_count(obj, "nodes", where),
+        ranks_per_node=_count(obj, "ranks_per_node", where),
         hbm_bytes=int(_num(obj, "memory_bytes", where)),
         kernel_overhead_ns=int(_num(obj, "kernel_overhead_ns", where, positive=False)),
         gemm=gemm_t,
@@ -321,6 +366,10 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         d2d_bytes_per_s=_num(copy, "d2d_bytes_per_s", f"{where}: copy"),
         h2d_bytes_per_s=_num(copy, "h2d_bytes_per_s", f"{where}: copy"),
         copy_latency_ns=int(_num(copy, "latency_ns", f"{where}: copy", positive=False)),
+        d2h_bytes_per_s=_num(copy, "d2h_bytes_per_s", f"{where}: copy") if "d2h_bytes_per_s" in copy else 0.0,
+        d2h_latency_ns=int(_num(copy, "d2h_latency_ns", f"{where}: copy", positive=False))
+        if "d2h_latency_ns" in copy else None,
+        allocator=_allocator(obj.get("allocator", {}), f"{where}: allocator"),
         collectives=colls,
         comm_slowdown=_num(obj, "comm_slowdown", where),
         comm_slowdown_during_compute=_num(obj, "comm_slowdown_during_compute", where) if
@@ -340,6 +389,48 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         if "first_touch_ns_per_byte" in alloc else 0.0,
         **_rank_noise(obj.get("rank_noise"), f"{where}: rank_noise"),
     )
+
+
+def _count(obj: dict[str, Any], key: str, where: str) -> int:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CommsimInputError(f"{where}: field {key!r} must be a positive integer, got {v!r}")
+    return v
+
+
+def _collectives(table: Any, where: str) -> dict[str, dict[tuple[str, int], CollectiveFit]]:
+    """kind -> placement -> group size -> fit, read into kind -> (placement, size) -> fit."""
+    allowed = {k.value for k in O.CollectiveKind}
+    if not isinstance(table, dict):
+        raise CommsimInputError(f"{where}: collectives must be an object kind -> placement -> group size -> fit")
+    colls: dict[str, dict[tuple[str, int], CollectiveFit]] = {}
+    for kind, by_place in table.items():
+        if kind not in allowed:
+            raise CommsimInputError(f"{where}: collectives.{kind}: not one of {', '.join(sorted(allowed))}")
+        if not isinstance(by_place, dict):
+            raise CommsimInputError(f"{where}: collectives.{kind}: an object placement -> group size -> fit")
+        colls[kind] = {}
+        for place, sizes in by_place.items():
+            if place not in PLACEMENTS or not isinstance(sizes, dict):
+                raise CommsimInputError(f"{where}: collectives.{kind}.{place}: placements are {' and '.join(PLACEMENTS)},"
+                                        " each an object group size -> fit")
+            for p, fit in sizes.items():
+                w = f"{where}: collectives.{kind}.{place}.{p}"
+                if not str(p).isdigit() or int(p) < 2 or not isinstance(fit, dict):
+                    raise CommsimInputError(f"{w}: group sizes are integers >= 2, each with a fit object")
+                points = fit.get("points", [])
+                if not isinstance(points, list) or not all(isinstance(q, list) and len(q) == 2 for q in points):
+                    raise CommsimInputError(f"{w}: points must be a list of [bytes, seconds] pairs")
+                colls[kind][(place, int(p))] = CollectiveFit(int(_num(fit, "latency_ns", w, positive=False)),
+                                                             _num(fit, "bytes_per_s", w),
+                                                             tuple(sorted((float(a), float(b)) for a, b in points)))
+    return colls
+
+
+def _allocator(stats: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if not isinstance(stats, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in stats.values()):
+        raise CommsimInputError(f"{where}: must be an object of integer statistics (torch.cuda.memory_stats)")
+    return tuple(sorted(stats.items()))
 
 
 def _rank_noise(noise: Any, where: str) -> dict[str, Any]:

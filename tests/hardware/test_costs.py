@@ -61,12 +61,13 @@ def test_net_switch_keeps_the_node():
 
 
 PROFILE = {
-    "kind": "commsim-hw-profile", "schema_version": 1, "description": "test", "backend": "gloo",
-    "ranks_per_node": 2, "memory_bytes": 1 << 33, "kernel_overhead_ns": 1000,
+    "kind": "commsim-hw-profile", "schema_version": 2, "description": "test", "backend": "gloo",
+    "devices": ["CPU: test"], "world_size": 2, "ranks_per_node": 2, "nodes": 1,
+    "memory_bytes": 1 << 33, "kernel_overhead_ns": 1000,
     "gemm": [[1e6, 1e9], [1e9, 1e10]], "elementwise_bytes_per_s": 2e9,
     "copy": {"d2d_bytes_per_s": 4e9, "h2d_bytes_per_s": 4e9, "latency_ns": 100},
-    "collectives": {"all_gather": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}},
-                    "reduce_scatter": {"2": {"latency_ns": 250000, "bytes_per_s": 5e8}}},
+    "collectives": {"all_gather": {"intra_node": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}},
+                    "reduce_scatter": {"intra_node": {"2": {"latency_ns": 250000, "bytes_per_s": 5e8}}}},
     "comm_slowdown": 1.5,
     "alloc": {"malloc_base_ns": 5000, "malloc_ns_per_byte": 0, "free_base_ns": 5000, "free_ns_per_byte": 0},
 }

@@ -25,7 +25,10 @@ def test_quick_calibration_then_predict(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     p = load_profile(prof, "fp32")
     assert set(p.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
-    assert all(2 in fits for fits in p.collectives.values())
+    assert all(set(fits) == {("intra_node", 2)} for fits in p.collectives.values())
+    # what the profile measured: the backend, this machine's CPU, one node of two ranks
+    assert (p.backend, p.world_size, p.ranks_per_node, p.nodes) == ("gloo", 2, 2, 1)
+    assert len(p.devices) == 1 and p.devices[0].startswith("CPU")
     assert p.platform.inline_kernels and not p.platform.caching_allocator  # a CPU profile
     assert p.comm_slowdown >= 1.0 and p.kernel_overhead_ns > 0
     # measured, not defaulted, and what predictions use
@@ -72,7 +75,7 @@ def test_calibrate_and_execute_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "hardware profile of 2 gloo ranks (from the environment)" in out.stdout
     p = load_profile(prof)
-    assert p.ranks_per_node == 2 and set(p.collectives["all_gather"]) == {2}
+    assert p.ranks_per_node == 2 and set(p.collectives["all_gather"]) == {("intra_node", 2)}
     assert len(p.alloc_points) == 4  # quick: 4 sizes, across glibc's mmap threshold
     out = subprocess.run(torchrun + ["execute", str(sched), "--steps", "1", "--warmup", "0", "-o", str(meas)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -85,9 +88,13 @@ def test_the_profile_document_follows_the_platform():
     """What a calibration writes about how the machine runs comes from its platform:
     the memory model, the default precision (and so which GEMM curve is the default),
     and the CPU-only cores, time slice and drift."""
+    import dataclasses
+
     import torch
 
     from commsim.hardware.platform import platform_of_backend
+    from commsim.hardware.profile import profile_from_dict
+    from commsim.ir import ops as O
     from runtime.calibrate_profile import Measured, profile_document
 
     m = Measured(gemm_by_dtype={"fp32": [[1.0, 2.0]], "bf16": [[1.0, 3.0]]}, gemm_shapes_by_dtype={},
@@ -100,10 +107,28 @@ def test_the_profile_document_follows_the_platform():
     assert (cpu["caching_allocator"], cpu["default_dtype"], cpu["gemm"]) == (False, "fp32", [[1.0, 2.0]])
     assert (cpu["cpu_cores"], cpu["time_slice_ns"], cpu["rank_noise"]) == (2, 4_000_000, m.rank_noise)
     assert cpu["kernel_overhead_ns"] == 3000 and cpu["alloc"]["first_touch_ns_per_byte"] == 0.2
-    assert cpu["description"].startswith("4 ranks (4 per node), gloo, ")
-    gpu = profile_document(m, platform_of_backend("nccl"), torch.device("cpu"), 4, 4)
+    assert cpu["description"].startswith("4 ranks (4 per node, 1 node), gloo, ")
+    assert (cpu["backend"], cpu["world_size"], cpu["ranks_per_node"], cpu["nodes"], cpu["timing"]) == \
+        ("gloo", 4, 4, 1, "host_clock")
+    # a CPU executor's copy is the memory-bound kernel over its bytes read and written
+    assert cpu["copy"]["h2d_bytes_per_s"] == cpu["copy"]["d2h_bytes_per_s"] == 5e9
+    # a GPU profile: the copies' own measured rates (PCIe), the kernel's device cost
+    # measured apart from the executor's per-op time, the allocator's statistics
+    copies = {"h2d": {"latency_ns": 9000, "bytes_per_s": 2.4e10, "points": [[1 << 20, 5e-5]]},
+              "d2h": {"latency_ns": 8000, "bytes_per_s": 2.2e10, "points": [[1 << 20, 6e-5]]}}
+    g = dataclasses.replace(m, devices=["NVIDIA H200"], nodes=2, kernel_overhead_ns=2500, copies=copies,
+                            allocator={"num_alloc_retries": 0, "reserved_bytes_peak": 1 << 30})
+    gpu = profile_document(g, platform_of_backend("nccl"), torch.device("cpu"), 16, 8)
     assert (gpu["caching_allocator"], gpu["default_dtype"], gpu["gemm"]) == (True, "bf16", [[1.0, 3.0]])
-    assert "cpu_cores" not in gpu and gpu["backend"] == "nccl"
+    assert "cpu_cores" not in gpu and gpu["backend"] == "nccl" and gpu["timing"] == "cuda_events"
+    assert (gpu["devices"], gpu["world_size"], gpu["ranks_per_node"], gpu["nodes"]) == (["NVIDIA H200"], 16, 8, 2)
+    assert gpu["description"].startswith("16 ranks (8 per node, 2 nodes), nccl, ")
+    assert (gpu["copy"]["h2d_bytes_per_s"], gpu["copy"]["d2h_bytes_per_s"]) == (2.4e10, 2.2e10)
+    assert (gpu["copy"]["latency_ns"], gpu["copy"]["d2h_latency_ns"]) == (9000, 8000)
+    assert gpu["kernel_overhead_ns"] == 2500 and gpu["allocator"]["reserved_bytes_peak"] == 1 << 30
+    prof = profile_from_dict(gpu, "gpu")
+    d2h = O.Copy(O.OpId(1), "offload", "grads", O.CopyDirection.D2H, 22_000_000)
+    assert prof.copy_ns(d2h) == 8000 + 1_000_000  # 22 MB at 22 GB/s
 
 
 TRACES = sorted((ROOT / "traces" / "local-cpu").glob("*.json.gz"))

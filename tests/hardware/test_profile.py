@@ -1,0 +1,99 @@
+"""What a measured profile says it measured (schema version 2), how it prices a group by
+its placement, and the old version refused with the fix."""
+
+import json
+
+import pytest
+
+from commsim.hardware.links import Link, LinkKind
+from commsim.hardware.profile import load_profile, profile_from_dict
+from commsim.ir import ops as O
+from commsim.ir.errors import CommsimInputError
+from tests.hardware.test_costs import PROFILE
+
+
+def _fit(latency_ns, bytes_per_s):
+    return {"latency_ns": latency_ns, "bytes_per_s": bytes_per_s}
+
+
+# two nodes of two GPUs: the whole job and one rank per node across nodes, each node's pair inside
+GPU = {**PROFILE, "backend": "nccl", "devices": ["NVIDIA H100 80GB HBM3"], "world_size": 4, "ranks_per_node": 2,
+       "nodes": 2,
+       "copy": {"d2d_bytes_per_s": 1e12, "h2d_bytes_per_s": 2.5e10, "latency_ns": 9000, "d2h_bytes_per_s": 2e10},
+       "collectives": {"all_gather": {"intra_node": {"2": _fit(10_000, 1e11)},
+                                      "inter_node": {"2": _fit(30_000, 1e10), "4": _fit(40_000, 8e9)}}}}
+
+
+def ag(size, group):
+    return O.Collective(O.OpId(1), "ag", "x", O.CollectiveKind.ALL_GATHER, size, O.DType.BF16, group)
+
+
+def test_a_profile_records_what_it_measured():
+    p = profile_from_dict(GPU, "gpu.json")
+    assert (p.backend, p.devices, p.world_size, p.ranks_per_node, p.nodes) == \
+        ("nccl", ("NVIDIA H100 80GB HBM3",), 4, 2, 2)
+    assert p.groups_measured == (("inter_node", 2), ("inter_node", 4), ("intra_node", 2))
+    assert (p.placement((0, 1)), p.placement((1, 2)), p.placement((0, 2))) == ("intra_node", "inter_node",
+                                                                               "inter_node")
+
+
+def test_a_group_is_priced_from_its_own_placement():
+    """Two ranks of one node and two ranks on two nodes are different groups: NVLink
+    against the network."""
+    p = profile_from_dict(GPU, "gpu.json")
+    inside, across = p.collective(ag(10**9, (0, 1))), p.collective(ag(10**9, (0, 2)))
+    assert (inside.latency_ns, inside.algorithm) == (10_000, "measured/intra_node/2")
+    assert dict(inside.demands)[Link(LinkKind.CHANNEL, 0)] == pytest.approx(1e-2 * 1e9)  # 1 GB at 100 GB/s
+    assert (across.latency_ns, across.algorithm) == (30_000, "measured/inter_node/2")
+    assert p.collective(ag(10**6, (0, 1, 2, 3))).algorithm == "measured/inter_node/4"
+    # a placement never measured (a prediction told to extrapolate) takes the other's fits
+    one_node = profile_from_dict({**GPU, "collectives": {"all_gather": {"intra_node": {"2": _fit(10_000, 1e11)}}}},
+                                 "one.json")
+    assert one_node.collective(ag(10**6, (0, 2))).algorithm == "measured/intra_node/2"
+
+
+def test_copies_each_way_at_their_own_rate():
+    p = profile_from_dict(GPU, "gpu.json")
+    h2d = O.Copy(O.OpId(1), "c", "up", O.CopyDirection.H2D, 25_000_000)
+    d2h = O.Copy(O.OpId(2), "c", "down", O.CopyDirection.D2H, 20_000_000)
+    assert (p.copy_ns(h2d), p.copy_ns(d2h)) == (9000 + 1_000_000, 9000 + 1_000_000)
+    p = profile_from_dict({**GPU, "copy": {k: v for k, v in GPU["copy"].items() if k != "d2h_bytes_per_s"}}, "g")
+    assert p.copy_ns(d2h) == 9000 + 800_000  # not measured apart: the h2d rate
+
+
+def test_version_1_is_refused_with_the_fix(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**PROFILE, "schema_version": 1}))
+    with pytest.raises(CommsimInputError, match=r"old.json: unsupported profile schema version 1; this commsim reads 2 "
+                                                r"\(it records the devices, nodes and group placements measured\): "
+                                                r"re-run commsim calibrate"):
+        load_profile(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"devices": []}, r"field 'devices' must be a non-empty list of device names"),
+    ({"backend": ""}, r"field 'backend' must name the torch.distributed backend measured"),
+    ({"nodes": 0}, r"field 'nodes' must be a positive integer, got 0"),
+    ({"world_size": 2.5}, r"field 'world_size' must be a positive integer, got 2.5"),
+    ({"collectives": {"all_gather": {"2": _fit(1, 1e9)}}},
+     r"collectives.all_gather.2: placements are intra_node and inter_node"),
+    ({"collectives": {"all_gather": {"intra_node": {"1": _fit(1, 1e9)}}}},
+     r"collectives.all_gather.intra_node.1: group sizes are integers >= 2"),
+    ({"allocator": {"num_alloc_retries": "many"}}, r"allocator: must be an object of integer statistics"),
+])
+def test_bad_fields_are_named(change, message):
+    with pytest.raises(CommsimInputError, match=r"p.json: " + message):
+        profile_from_dict({**GPU, **change}, "p.json")
+
+
+def test_the_stored_cpu_profiles_load():
+    """traces/local-cpu's profiles (converted once to version 2) keep working."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "traces" / "local-cpu"
+    paths = sorted(root.glob("*.profile.json"))
+    assert len(paths) == 14
+    for path in paths:
+        p = load_profile(path, "fp32")
+        assert p.backend == "gloo" and p.nodes == 1 and p.world_size == p.ranks_per_node in (2, 4)
+        assert p.groups_measured == (("intra_node", p.world_size),)

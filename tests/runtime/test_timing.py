@@ -1,0 +1,93 @@
+"""The timing bookkeeping every device shares (runtime.timing), on a fake clock: how many
+calls a batch holds, what every rank agrees on, and how an overlap is measured in both
+directions. The CUDA timer itself needs a GPU (bench/gpu_check.py runs it)."""
+
+import pytest
+
+from runtime.timing import (MAX_CALLS, MIN_CALLS, HostTimer, calls_for, covering_calls, mutual_slowdown, per_call)
+
+
+class FakeTimer:
+    """A device whose calls take ``cost_s`` each; records every batch it timed."""
+
+    def __init__(self, cost_s: float, first_s: float | None = None):
+        self.cost_s, self.first_s = cost_s, first_s
+        self.batches: list[int] = []
+        self.calls = 0
+
+    def batch(self, fn, n):
+        self.batches.append(n)
+        for _ in range(n):
+            fn()
+        self.calls += n
+        if len(self.batches) == 1 and self.first_s is not None:
+            return self.first_s  # a warm-up call is slower
+        return n * self.cost_s
+
+    def sync(self):
+        pass
+
+
+def test_calls_per_batch():
+    assert calls_for(0.01, 0.2) == 20
+    assert calls_for(1.0, 0.2) == MIN_CALLS  # a long call: still a few, for a mean
+    assert calls_for(1e-9, 0.2) == MAX_CALLS  # a tiny one: capped
+    assert calls_for(0.0, 0.2) == MAX_CALLS
+    assert covering_calls(0.1, 0.01) == 20 and covering_calls(0.1, 0.03) == 7 and covering_calls(0.0, 1.0) == 1
+
+
+def test_per_call_agrees_on_the_batch_and_the_result():
+    """One warm-up call sizes the batch from the figure every rank agrees on (the
+    largest), so that every rank makes the same calls; the result is the batch's mean,
+    agreed too."""
+    agreed = []
+
+    def agree(x):  # another rank was twice as slow
+        agreed.append(x)
+        return 2 * x
+
+    timer, calls = FakeTimer(0.004, first_s=0.005), []
+    t = per_call(timer, lambda: calls.append(1), 0.2, agree)
+    assert timer.batches == [1, 20]  # 0.2 s / (2 x 5 ms)
+    assert agreed == [0.005, pytest.approx(0.004)] and t == pytest.approx(0.008)
+    assert len(calls) == 21
+
+
+def test_host_timer_runs_every_call():
+    calls = []
+    assert HostTimer().batch(lambda: calls.append(1), 7) >= 0 and len(calls) == 7
+
+
+class FakeDevice:
+    """Two streams: a's calls take 1 ms alone and 1.5 ms while b runs; b's 4 ms alone
+    and 6 ms while a runs. ``beside`` checks the background covers the batch."""
+
+    A, B, A_SLOW, B_SLOW = 1e-3, 4e-3, 1.5e-3, 6e-3
+
+    def __init__(self):
+        self.runs = []
+
+    def a_beside_b(self, n, nb):
+        self.runs.append(("a", n, nb))
+        assert nb * self.B_SLOW >= n * self.A_SLOW, "the background must outlast the batch"
+        return n * self.A_SLOW
+
+    def b_beside_a(self, n, na):
+        self.runs.append(("b", n, na))
+        assert na * self.A_SLOW >= n * self.B_SLOW, "the background must outlast the batch"
+        return n * self.B_SLOW
+
+
+def test_mutual_slowdown_measures_each_direction_with_a_covering_background():
+    dev = FakeDevice()
+    slow_a, slow_b = mutual_slowdown(dev.A, dev.B, 0.2, dev.a_beside_b, dev.b_beside_a, lambda x: x)
+    assert (slow_a, slow_b) == (pytest.approx(1.5), pytest.approx(1.5))
+    # a: 200 calls of 1 ms beside 2 x 0.2 s / 4 ms = 100 of b; b: 50 calls of 4 ms
+    # beside 2 x 0.2 s / 1 ms = 400 of a
+    assert dev.runs == [("a", 200, 100), ("b", 50, 400)]
+
+
+def test_mutual_slowdown_is_never_a_speed_up():
+    """Noise can make a side look faster beside the other: that is no slowdown (1)."""
+    slow = mutual_slowdown(1e-3, 1e-3, 0.01, lambda n, nb: n * 0.9e-3, lambda n, nb: n * 1.2e-3, lambda x: x)
+    assert slow == (1.0, pytest.approx(1.2))

@@ -1,0 +1,85 @@
+"""bench/gpu_check.py, the prepared check for the day a GPU is lent: without one it
+refuses in one line; its steps and comparisons run here as a CPU rehearsal."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+
+
+def test_without_a_gpu_it_refuses_in_one_line():
+    out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        f"gpu_check: no CUDA GPU visible (torch {__import__('torch').__version__}, torch.cuda.is_available() is "
+        "False); run it where one is"]
+
+
+def test_the_cpu_rehearsal_runs_every_check(tmp_path):
+    out = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--timeout", "400", "--keep", str(tmp_path)],
+                         capture_output=True, text=True, timeout=500)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    names = [ln.split(":", 1)[0] for ln in lines]
+    assert names == ["schedule", "calibrate", "execute", "check-data", "predict with the profile",
+                     "predict with the preset", "ops vs the profile", "memory"]
+    assert "FAILED" not in out.stdout and "skipped (needs" not in out.stdout
+    assert lines[1].startswith("calibrate: ") and " on CPU" in lines[1]
+    assert lines[3].startswith("check-data: every collective's result exact (tiny model, bf16, ")
+    assert "vs measured" in lines[4] and "gemm " in lines[6] and "[kind median error / p90 |error| (ops)]" in lines[6]
+    assert lines[7].startswith("memory: skipped: no caching allocator on this backend (gloo)")
+    assert {p.name for p in tmp_path.iterdir()} >= {"schedule.json", "profile.json", "measured.json", "checked.json"}
+
+
+def test_a_short_timeout_fails_the_check_that_ran_out():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--timeout", "3"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1
+    assert "FAILED: not finished within --timeout 3 s" in out.stdout and "skipped (needs" in out.stdout
+
+
+def _module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_preset_of_a_device():
+    from commsim.hardware.specs import H200, NODE_PRESETS
+
+    gc = _module()
+    assert gc.preset_for("NVIDIA A100-SXM4-40GB") == ("p4d", "p4d")
+    assert gc.preset_for("NVIDIA A100-SXM4-80GB") == ("dgx-a100", "dgx-a100")
+    assert gc.preset_for("NVIDIA H100 80GB HBM3") == ("p5", "p5")
+    label, key = gc.preset_for("NVIDIA H200")
+    try:
+        assert label.startswith("p5 node with H200") and NODE_PRESETS[key].gpu == H200
+        assert NODE_PRESETS[key].gpus_per_node == NODE_PRESETS["p5"].gpus_per_node
+    finally:
+        NODE_PRESETS.pop(key, None)  # registered for the check's own process only
+    assert gc.preset_for("NVIDIA L4") is None and gc.preset_for("") is None
+
+
+def test_per_op_errors_by_kind():
+    from commsim.ir.trace import Trace, TraceMeta, TraceRecord, TraceSource
+
+    gc = _module()
+
+    def rec(op, kind, dur, step=0, stream="compute"):
+        return TraceRecord(0, stream, op, kind, "x", 0, dur, 0, 0, step)
+
+    pred = Trace(TraceMeta(TraceSource.PREDICTED), (rec(1, "gemm", 110), rec(2, "gemm", 90), rec(3, "all_gather", 50),
+                                                    rec(4, "host_python", 5, stream="host")))
+    meas = Trace(TraceMeta(TraceSource.MEASURED), tuple(
+        r for s in range(3) for r in (rec(1, "gemm", 100 + s, s), rec(2, "gemm", 100, s), rec(3, "all_gather", 100, s),
+                                      rec(4, "host_python", 1, s, stream="host"), rec(5, "gemm", 0, s))))
+    errs = gc.per_kind_errors(pred, meas)  # host ops and ops measured at 0 ns left out
+    assert errs == {"gemm": [(110 - 101) / 101, -0.1], "all_gather": [-0.5]}
+    assert gc.p90([0.1, 0.2, 0.3]) == 0.3 and gc.p90([0.5]) == 0.5
+    assert gc.error_line(errs) == ("gemm -1% / 10% (n=2); all_gather -50% / 50% (n=1)  "
+                                   "[kind median error / p90 |error| (ops)]")
