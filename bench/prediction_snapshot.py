@@ -84,7 +84,7 @@ SCENARIOS: dict[str, list[str]] = {
 }
 
 # figures that describe the run rather than predict it
-_SKIP = {"scenario"}
+_SKIP = {"scenario", "hardware_sources"}
 
 
 def run_one(name: str, args: list[str], cfg_dir: Path) -> dict:
