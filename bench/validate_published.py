@@ -52,6 +52,7 @@ from commsim.hardware.specs import (A100_80, H200, IB_HDR_8, NODE_PRESETS, Clust
 from commsim.ir import ops as O  # noqa: E402
 from commsim.ir.schedule import Program, Schedule  # noqa: E402
 from commsim.models import describe, resolve_model  # noqa: E402
+from commsim.models.eager import Eager, chain  # noqa: E402
 from commsim.sim.engine import SimConfig, Simulator  # noqa: E402
 from commsim.sim.records import OpRecord  # noqa: E402
 
@@ -362,7 +363,9 @@ def g2() -> list[Row]:
     data = [((1024, 1024, 1024), 119.4), ((2048, 2048, 2048), 221.8), ((4096, 4096, 4096), 228.0),
             ((8192, 8192, 8192), 253.7), ((16384, 16384, 16384), 256.5), ((6144, 12288, 12288), 250.8),
             ((1024, 2145, 1024), 132.8)]
-    return [gemm_row("G2", f"cuBLASLt fp16 {m}x{n}x{k}", "azure-ndm-a100", O.GemmShape(m, n, k), tf, "fp16")
+    # cuBLAS is column-major: its m x n x k is PyTorch's (row-major) n x m x k
+    return [gemm_row("G2", f"cuBLASLt fp16 {m}x{n}x{k}", "azure-ndm-a100", O.GemmShape(n, m, k), tf, "fp16",
+                     note="m x n x k of cuBLAS's column-major call (order assumed)" if n != m else "")
             for (m, n, k), tf in data]
 
 
@@ -373,56 +376,63 @@ def write_config(folder: Path, name: str, cfg: dict) -> str:
     return str(path)
 
 
+def first(kernels, kind: O.ComputeKind, name: str | None = None):
+    """The first kernel of ``kind`` (named ``name``) in a module's list."""
+    return next(k for k in kernels if k.kind is kind and (name is None or k.name == name))
+
+
+def chain_time_ns(cluster: ClusterSpec, kernels, precision: str) -> int:
+    """Catalogue kernels one after the other on the compute stream: first start to last end."""
+    ops = [replace(kernel_op(k, i + 1), deps=(O.OpId(i),) if i else ()) for i, k in enumerate(kernels)]
+    recs = run_ops(cluster, ops, precision)
+    return max(r.end_ns for r in recs.values()) - min(r.start_ns for r in recs.values())
+
+
 def g3(tmp: Path) -> list[Row]:
     # One GPT layer as the catalogue's gpt2 family describes it (pre-LN, fused QKV, GELU
     # MLP of 4h, eager attention), h 4096, 16 heads, micro-batch 4, seq 2048, vocab 51200.
     h, nh, b, s, V = 4096, 16, 4, 2048, 51200
-    hd, T, dt = h // nh, b * s, 2
+    T = b * s
     cfg = write_config(tmp, "g3-layer", {"model_type": "gpt2", "n_embd": h, "n_layer": 1, "n_head": nh,
                                          "n_inner": 4 * h, "vocab_size": V, "n_positions": s})
-    md = describe(resolve_model(cfg), b, s, dt)
+    md = describe(resolve_model(cfg), b, s, 2)
     mod = {m.path: m for m in md.modules}
     preset = "p4d"
     gpu = f"{preset} GPU {one_gpu(preset).node.gpu.name} (GPU not named: the original A100 SKU assumed), fp16"
     rows = []
+    G = O.ComputeKind.GEMM
     for path, what, tf in [("transformer.h.0.attn.c_attn", "QKV GEMM", 241.6),
                            ("transformer.h.0.attn.c_proj", "attention out-projection", 234.9),
                            ("transformer.h.0.mlp.c_fc", "h->4h GEMM", 241.1),
                            ("transformer.h.0.mlp.c_proj", "4h->h GEMM", 252.8),
                            ("lm_head", "logits GEMM (vocab 51200)", 255.4)]:
-        k = mod[path].fwd[0]
+        k = first(mod[path].fwd, G, "fwd")
         t = kernel_time_ns(preset, kernel_op(k), "fp16")
         rows.append(Row("G3", what, f"{gpu}; catalogue {path} fwd GEMM {shape_name(k.gemm)}", "TFLOPS", tf,
                         k.flops / t / 1e3, KC))
-    # The attention core is one ATTENTION op in the catalogue: its bmms and passes are
-    # built here with their own shapes and bytes.
-    for g, what, tf in [(O.GemmShape(s, s, hd, b * nh), "attention-score bmm", 130.2),
-                        (O.GemmShape(s, hd, s, b * nh), "attention-over-value bmm", 219.0)]:
-        t = kernel_time_ns(preset, gemm_op(g), "fp16")
-        rows.append(Row("G3", what, f"{gpu}; GEMM {shape_name(g)}", "TFLOPS", tf, g.flops / t / 1e3, KC))
-    E = b * nh * s * s  # score elements
-    # softmax: read and write the fp16 scores (max, subtract, exp, sum, divide: 5 flops each)
-    softmax = O.Compute(O.OpId(1), "compute", "softmax", O.ComputeKind.ELEMENTWISE, 5 * E, E * dt, E * dt)
-    # dropout: read the scores, write them and a one-byte mask
-    dropout = O.Compute(O.OpId(1), "compute", "dropout", O.ComputeKind.ELEMENTWISE, 2 * E, E * dt, E * dt + E)
-    for op, what, ms, bytes_desc in [(softmax, "unfused softmax time", 7.6, "read+write fp16 scores"),
-                                     (dropout, "its dropout time", 1.2, "read fp16, write fp16 + 1 B mask")]:
-        t = kernel_time_ns(preset, op, "fp16")
-        rows.append(Row("G3", what, f"{gpu}; elementwise over {b}x{nh}x{s}x{s}, {bytes_desc} "
-                        f"({(op.bytes_read + op.bytes_written) / 1e9:.2f} GB)", "ms", ms, t / 1e6, KC))
-    ln = mod["transformer.h.0.ln_1"].fwd[0]
+    # the attention chain's kernels, each on its own
+    attn = mod["transformer.h.0.attn.attn_dropout"].fwd + mod["transformer.h.0.attn.c_proj"].fwd
+    for k, what, tf in [(first(attn, G, "qk"), "attention-score bmm", 130.2),
+                        (first(attn, G, "av"), "attention-over-value bmm", 219.0)]:
+        t = kernel_time_ns(preset, kernel_op(k), "fp16")
+        rows.append(Row("G3", what, f"{gpu}; catalogue {k.name} bmm {shape_name(k.gemm)}", "TFLOPS", tf,
+                        k.flops / t / 1e3, KC))
+    for k, what, ms in [(first(attn, O.ComputeKind.SOFTMAX), "unfused softmax time", 7.6),
+                        (first(attn, O.ComputeKind.DROPOUT), "its dropout time", 1.2)]:
+        t = kernel_time_ns(preset, kernel_op(k), "fp16")
+        rows.append(Row("G3", what, f"{gpu}; catalogue {k.name} kernel over {b}x{nh}x{s}x{s} "
+                        f"({(k.bytes_read + k.bytes_written) / 1e9:.2f} GB)", "ms", ms, t / 1e6, KC))
+    ln = first(mod["transformer.h.0.ln_1"].fwd, O.ComputeKind.NORM)
     t = kernel_time_ns(preset, kernel_op(ln), "fp16")
     rows.append(Row("G3", "layer norm time", f"{gpu}; catalogue ln_1 fwd ({ln.bytes_read + ln.bytes_written} B)",
                     "ms", 0.1, t / 1e6, KC))
     # The whole layer: the catalogue's block-0 forward kernels one after the other on
     # the compute stream; flops counted as matmuls only (24 T h^2 + 4 T s h).
     kernels = [k for m in md.modules if m.block == 0 for k in m.fwd]
-    ops = [replace(kernel_op(k, i + 1), deps=(O.OpId(i),) if i else ()) for i, k in enumerate(kernels)]
-    recs = run_ops(one_gpu(preset), ops, "fp16")
-    t = max(r.end_ns for r in recs.values()) - min(r.start_ns for r in recs.values())
+    t = chain_time_ns(one_gpu(preset), kernels, "fp16")
     flops = 24 * T * h * h + 4 * T * s * h
-    rows.append(Row("G3", "whole layer (unfused attention)", f"{gpu}; catalogue gpt2 block 0 forward, {len(ops)} "
-                    "kernels in order (the attention core as one ATTENTION op)", "TFLOPS", 92.0, flops / t / 1e3, KC,
+    rows.append(Row("G3", "whole layer (unfused attention)", f"{gpu}; catalogue gpt2 block 0 forward, {len(kernels)} "
+                    "kernels in order (HF eager, PyTorch 1.10)", "TFLOPS", 92.0, flops / t / 1e3, KC,
                     note="taken as the layer's forward; matmul flops only"))
     return rows
 
@@ -446,12 +456,10 @@ def g5(tmp: Path) -> list[Row]:
                                                "vocab_size": 32000, "max_position_embeddings": 4096})
         md = describe(resolve_model(cfg), 2, 4096, 2)
         kernels = [k for m in md.modules if m.path.startswith("model.layers.0.mlp") for k in m.fwd]
-        ops = [replace(kernel_op(k, i + 1), deps=(O.OpId(i),) if i else ()) for i, k in enumerate(kernels)]
-        recs = run_ops(one_gpu("dgx-h100"), ops, "bf16")
-        t = max(r.end_ns for r in recs.values()) - min(r.start_ns for r in recs.values())
+        t = chain_time_ns(one_gpu("dgx-h100"), kernels, "bf16")
         flops = 3 * 2 * 8192 * 4096 * d_ff
         rows.append(Row("G5", f"H100 SwiGLU MLP d_ff {d_ff}", f"dgx-h100 GPU; catalogue llama MLP forward "
-                        f"(gate, act, up, down), 8192 tokens (not published), bf16", "TFLOPS", tf, flops / t / 1e3, KC,
+                        f"(gate, act, up, product, down, the layer's residual add), 8192 tokens (not published), bf16", "TFLOPS", tf, flops / t / 1e3, KC,
                         note="matmul flops only; forward assumed"))
     return rows
 
@@ -470,10 +478,10 @@ def m1() -> list[Row]:
                 op = O.Compute(O.OpId(1), "compute", "triad", O.ComputeKind.ELEMENTWISE, 2 * n, 2 * size, size)
                 moved = 3 * size
             else:  # sum += a * b
-                op = O.Compute(O.OpId(1), "compute", "dot", O.ComputeKind.ELEMENTWISE, 2 * n, 2 * size, 8)
+                op = O.Compute(O.OpId(1), "compute", "dot", O.ComputeKind.REDUCTION, 2 * n, 2 * size, 8)
                 moved = 2 * size
             t = kernel_time_ns(preset, op)
-            kind = "Copy D2D" if isinstance(op, O.Copy) else "elementwise Compute"
+            kind = "Copy D2D" if isinstance(op, O.Copy) else f"{op.kind.value} Compute"
             rows.append(Row("M1", f"{gpu} STREAM {kernel}", f"{preset} GPU; {kind} over 2^25 fp64 "
                             f"({moved / 1e6:.0f} MB moved)", "GB/s", gbs, moved / t, KC,
                             note="array size not published: BabelStream's default"))
@@ -489,8 +497,8 @@ def m2(tmp: Path) -> list[Row]:
     ln = next(m for m in md.modules if m.path.endswith("attention.output.LayerNorm"))
     preset = "p4d"
     rows = []
-    for k, pass_name, pubs in ((ln.fwd[0], "forward", (("old apex", 896), ("tuned", 1258))),
-                               (ln.bwd[0], "backward", (("old apex", 572), ("tuned", 1163)))):
+    for k, pass_name, pubs in ((first(ln.fwd, O.ComputeKind.NORM), "forward", (("old apex", 896), ("tuned", 1258))),
+                               (first(ln.bwd, O.ComputeKind.NORM), "backward", (("old apex", 572), ("tuned", 1163)))):
         t = kernel_time_ns(preset, kernel_op(k), "fp16")
         for which, gbs in pubs:
             rows.append(Row("M2", f"LayerNorm {pass_name}, {which} kernel", f"{preset} GPU A100-40GB (variant not "
@@ -499,29 +507,31 @@ def m2(tmp: Path) -> list[Row]:
     # torch.nn.LayerNorm on 2048 x 2048 (dtype not stated: fp32, as autocast runs it),
     # the catalogue's forward kernel built with 4-byte elements
     t_el, dt = 2048 * 2048, 4
-    op = O.Compute(O.OpId(1), "compute", "layernorm", O.ComputeKind.ELEMENTWISE, 8 * t_el, t_el * dt, t_el * dt)
-    t = kernel_time_ns(preset, op, "fp32")
+    k = first(Eager(dt).layer_norm("layernorm", 2048, 2048).fwd, O.ComputeKind.NORM)
+    t = kernel_time_ns(preset, kernel_op(k), "fp32")
     rows.append(Row("M2", "torch.nn.LayerNorm 2048x2048", f"{preset} GPU A100-40GB (variant not named); LayerNorm "
                     "forward as the catalogue's, fp32 (dtype assumed)", "GB/s", 715.0, 2 * t_el * dt / t, KC))
     return rows
 
 
 def m3(tmp: Path) -> list[Row]:
-    # FlashAttention's benchmark script: model dim 2048, batch 2 x seq 8192, non-causal;
-    # forward flops 4 b s^2 h. The catalogue's eager attention core (one ATTENTION op:
-    # scores, softmax, dropout, context) for that shape.
+    # FlashAttention's benchmark (benchmarks/benchmark_flash_attention.py,
+    # attention_pytorch): model dim 2048, batch 2 x seq 8192, non-causal, dropout 0,
+    # forward flops 4 b s^2 h. Its kernels: q and k rearranged out of qkv (copies), the
+    # scores by baddbmm (scale folded in), softmax, v rearranged (a copy), the einsum's bmm.
     rows = []
     for preset, gpu, hd, tf in (("azure-ndm-a100", "A100-80GB", 64, 46.0), ("dgx-h100", "H100", 128, 145.1)):
         nh, b, s = 2048 // hd, 2, 8192
-        cfg = write_config(tmp, f"m3-{hd}", {"model_type": "gpt2", "n_embd": 2048, "n_layer": 1, "n_head": nh,
-                                             "vocab_size": 1000, "n_positions": s})
-        md = describe(resolve_model(cfg), b, s, 2)
-        k = next(m for m in md.modules if m.path.endswith("attn.attn_dropout")).fwd[0]
-        t = kernel_time_ns(preset, kernel_op(k), "fp16")
+        e = Eager(2)
+        heads = (b, nh, s, hd)
+        op = chain(e.copy("q", heads), e.copy("k", (b, nh, hd, s)), e.bmm("qk", b * nh, s, s, hd),
+                   e.softmax("softmax", (b, nh, s, s)), e.copy("v", heads), e.bmm("av", b * nh, s, hd, s))
+        t = chain_time_ns(one_gpu(preset), op.fwd, "fp16")
         flops = 4 * b * s * s * 2048
-        rows.append(Row("M3", f"{gpu} unfused attention, head dim {hd}", f"{preset} GPU; catalogue attention core "
-                        f"fwd, {nh} heads x {hd}, batch {b}, seq {s}, fp16", "TFLOPS", tf, flops / t / 1e3, KC,
-                        note="heads and direction not published: FlashAttention's benchmark (dim 2048, forward)"))
+        rows.append(Row("M3", f"{gpu} unfused attention, head dim {hd}", f"{preset} GPU; eager attention kernels "
+                        f"(3 copies, QK^T, softmax, AV), {nh} heads x {hd}, batch {b}, seq {s}, fp16", "TFLOPS", tf,
+                        flops / t / 1e3, KC,
+                        note="sets the softmax class's bandwidth (specs.SOFTMAX_BW_EFFICIENCY): a check of the mean"))
     return rows
 
 
@@ -558,8 +568,11 @@ def x1(tmp: Path) -> list[Row]:
     cfg = write_config(tmp, "x1-gpt", {"model_type": "gpt2", "n_embd": 1024, "n_layer": 1, "n_head": 16,
                                        "vocab_size": 1000, "n_positions": 2048})
     md = describe(resolve_model(cfg), 1, 2048, 2)
-    att = replace(kernel_op(next(m for m in md.modules if m.path.endswith("attn.attn_dropout")).fwd[0]),
-                  label="attention")
+    # the attention chain (QK^T to the probabilities' dropout) as one kernel's worth of work
+    chain_ks = next(m for m in md.modules if m.path.endswith("attn.attn_dropout")).fwd
+    att = O.Compute(O.OpId(1), "compute", "attention", O.ComputeKind.ATTENTION, sum(k.flops for k in chain_ks),
+                    sum(k.bytes_read for k in chain_ks), sum(k.bytes_written for k in chain_ks),
+                    first(chain_ks, O.ComputeKind.GEMM, "qk").gemm)
     elt = O.Compute(O.OpId(1), "compute", "elementwise", O.ComputeKind.ELEMENTWISE, 8 * 2**20, 16 * 2**20, 16 * 2**20)
     rows = []
     for k, what, pub in ((gemm, "GEMM 1.18 -> 2.08 ms", 2.08 / 1.18), (att, "attention 0.18 -> 0.33 ms", 0.33 / 0.18),

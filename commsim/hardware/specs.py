@@ -14,6 +14,16 @@ from commsim.ir.errors import CommsimInputError
 GB = 1e9
 TERA = 1e12
 US = 1000  # ns
+# Softmax: M3's PyTorch (unfused) attention, batch 2, seq 8192, model dim 2048,
+# forward: 4 b s^2 h = 1.10e15 flops. A100-80GB (head dim 64) at 46.0 TFLOPS: 23.9 ms,
+# of which the GEMM model (gpu_kernels.py) gives its QK^T bmm 7.1 ms, its AV bmm 5.2 ms
+# and its head copies 0.25 ms, leaving 11.4 ms for the softmax's read and write of
+# 2 x 8.6 GB of fp16 scores: 0.74 of 2039 GB/s. H100 (head dim 128) at 145.1 TFLOPS:
+# 7.58 ms, 3.8 ms for 2 x 4.3 GB: 0.68 of 3350 GB/s. Their mean. (G3's "unfused
+# softmax 7.6 ms" over 4x16x2048x2048 would be 0.09 of HBM for one fp16 pass: it fits
+# a chain of casts, scale, mask and softmax, as Megatron's unfused path runs, not one
+# kernel, and is left as a check.)
+SOFTMAX_BW_EFFICIENCY = 0.71
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +34,24 @@ class GpuSpec:
     hbm_bytes: int
     hbm_bw_bytes_per_s: float
     sm_count: int
-    # Fraction of peak that large GEMMs reach (hardware.md: "roughly 60-80%"). The
-    # simulator lowers it further for small GEMMs by wave quantisation over sm_count.
-    gemm_max_efficiency: float = 0.75
-    # Fraction of HBM bandwidth memory-bound kernels reach (STREAM-style copy kernels
-    # reach about 85-90% of the datasheet figure on A100/H100; BabelStream results).
-    hbm_efficiency: float = 0.85
+    # Fraction of the tensor peak that large, well-shaped GEMMs reach (G1: mamf-finder's
+    # best bf16 matmul, A100 SXM 271.2 of 312 = 0.87, H100 SXM 794.5 of 989 = 0.80). The
+    # kernel model lowers it for small or odd shapes (gpu_kernels.py).
+    gemm_max_efficiency: float = 0.87
+    # Fractions of HBM bandwidth that memory-bound kernels reach, by class:
+    # elementwise / copies (M1: STREAM triad, A100-80GB 1.70 of 2.039 TB/s = 0.83,
+    # H100 2.97 of 3.35 = 0.89); LayerNorm (M2: plain torch.nn.LayerNorm about 715 GB/s
+    # on an A100, variant not named: the 40 GB's 1555 GB/s assumed, 0.46); softmax (M3,
+    # see SOFTMAX_BW_EFFICIENCY); dropout (G3: 4x16x2048x2048 fp16 scores in 1.2 ms,
+    # reading them and writing them and a one-byte mask, 1.34 GB: 1.12 TB/s, 0.72 of the
+    # A100-40GB's 1555 GB/s).
+    hbm_efficiency: float = 0.83
+    norm_bw_efficiency: float = 0.46
+    softmax_bw_efficiency: float = SOFTMAX_BW_EFFICIENCY
+    dropout_bw_efficiency: float = 0.72
+    # A GPU without bf16 tensor cores runs bf16 matmuls at this rate (None: at the
+    # tensor peak like fp16).
+    bf16_gemm_flops_per_s: float | None = None
     # Fixed device-side cost of any kernel (launch latency on the GPU, tail effects):
     # about 3-5 us for an empty kernel on A100/H100 (NVIDIA CUDA C++ Best Practices).
     kernel_overhead_ns: int = 4 * US
@@ -86,11 +108,17 @@ class ClusterSpec:
 # ---------------------------------------------------------------- GPUs
 # Peaks: NVIDIA datasheets (dense, no sparsity). SM counts: NVIDIA architecture
 # whitepapers (V100 80, A100 108, H100 SXM 132).
+# Kernel-class efficiencies (G1, M1-M3, G3) were measured on A100 and H100; the H200
+# (the H100's chip) takes the H100's, the V100 the A100's where it has no figure of its own.
+_HOPPER = dict(gemm_max_efficiency=0.80, hbm_efficiency=0.89)
 A100_40 = GpuSpec("A100-SXM4-40GB", 312 * TERA, 19.5 * TERA, 40 * 10**9, 1555 * GB, 108)
 A100_80 = GpuSpec("A100-SXM4-80GB", 312 * TERA, 19.5 * TERA, 80 * 10**9, 2039 * GB, 108)
-H100 = GpuSpec("H100-SXM5-80GB", 989 * TERA, 67 * TERA, 80 * 10**9, 3350 * GB, 132)
-H200 = GpuSpec("H200-SXM-141GB", 989 * TERA, 67 * TERA, 141 * 10**9, 4800 * GB, 132)
-V100_32 = GpuSpec("V100-SXM2-32GB", 125 * TERA, 15.7 * TERA, 32 * 10**9, 900 * GB, 80)
+H100 = GpuSpec("H100-SXM5-80GB", 989 * TERA, 67 * TERA, 80 * 10**9, 3350 * GB, 132, **_HOPPER)
+H200 = GpuSpec("H200-SXM-141GB", 989 * TERA, 67 * TERA, 141 * 10**9, 4800 * GB, 132, **_HOPPER)
+# V100: G4's cuBLAS fp16 8192^3 reached 97.4 of 125 TFLOPS (0.78); it has no bf16 tensor
+# cores and bf16 matmuls are emulated at about 10 TFLOPS (G4).
+V100_32 = GpuSpec("V100-SXM2-32GB", 125 * TERA, 15.7 * TERA, 32 * 10**9, 900 * GB, 80, gemm_max_efficiency=0.78,
+                  bf16_gemm_flops_per_s=10 * TERA)
 
 # ---------------------------------------------------------------- fabrics
 # EFA: 100 Gb/s per NIC (AWS instance pages). Efficiency 0.85: "0.4 Tb/s nominal,

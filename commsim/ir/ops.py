@@ -72,9 +72,13 @@ _ITEMSIZE = {
 class ComputeKind(enum.Enum):
     """What kind of kernel a compute op is; decides which cost curve applies."""
 
-    GEMM = "gemm"  # tensor-core matmul: flops-bound when large
-    ATTENTION = "attention"  # batched score / context matmuls plus softmax
-    ELEMENTWISE = "elementwise"  # memory-bound: norms, activations, casts, adds
+    GEMM = "gemm"  # tensor-core matmul (mm, addmm, bmm): flops-bound when large
+    ATTENTION = "attention"  # a fused attention core: batched score / context matmuls plus softmax
+    ELEMENTWISE = "elementwise"  # memory-bound pointwise: activations, casts, adds, copies
+    REDUCTION = "reduction"  # memory-bound reduction: bias gradients, sums, means
+    NORM = "norm"  # LayerNorm forward / backward (a row-wise reduction and a pointwise pass)
+    SOFTMAX = "softmax"  # softmax / log-softmax forward and backward over rows
+    DROPOUT = "dropout"  # dropout forward (output and its mask) and backward
     OPTIMIZER = "optimizer"  # Adam over a shard: memory-bound over the state
     EMBEDDING = "embedding"  # gather / scatter-add of embedding rows
 

@@ -5,6 +5,7 @@ from pathlib import Path
 from commsim.models.hf import load_hf_config
 from commsim.models.presets import MODEL_PRESETS, model_preset
 from commsim.models.spec import ArchInfo, Kernel, ModelDescription, ModuleKind, ModuleSpec, ParamSpec, Role
+from commsim.models.eager import PYTORCH_1_10, PYTORCH_2, TorchBehaviour
 from commsim.models.transformer import TransformerConfig, describe
 
 
@@ -22,5 +23,6 @@ def resolve_model(name_or_path: str) -> TransformerConfig:
 
 __all__ = [
     "ArchInfo", "Kernel", "MODEL_PRESETS", "ModelDescription", "ModuleKind", "ModuleSpec", "ParamSpec",
-    "Role", "TransformerConfig", "describe", "load_hf_config", "model_preset", "resolve_model",
+    "PYTORCH_1_10", "PYTORCH_2", "Role", "TorchBehaviour", "TransformerConfig", "describe", "load_hf_config",
+    "model_preset", "resolve_model",
 ]

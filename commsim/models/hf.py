@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from commsim.ir.errors import CommsimInputError
-from commsim.models.transformer import TransformerConfig
+from commsim.models.transformer import ACTIVATIONS, TransformerConfig
 from commsim.util.files import read_json
 
 SUPPORTED = ("bert", "roberta", "xlm-roberta", "gpt2", "llama", "mistral")
@@ -38,6 +38,25 @@ def _get_bool(cfg: dict[str, Any], path: Path, key: str, default: bool) -> bool:
     return v
 
 
+def _get_prob(cfg: dict[str, Any], path: Path, key: str) -> float | None:
+    """A dropout probability, or None (the family's default) when absent."""
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        raise CommsimInputError(f"{path}: field {key!r} must be a probability in [0, 1), got {v!r}")
+    return float(v)
+
+
+def _get_act(cfg: dict[str, Any], path: Path, key: str) -> str | None:
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if v not in ACTIVATIONS:
+        raise CommsimInputError(f"{path}: field {key!r}={v!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return v
+
+
 def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConfig:
     path = Path(path)
     cfg = read_json(path, CommsimInputError)
@@ -59,6 +78,9 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
             max_positions=_get(cfg, path, "max_position_embeddings", default=512),
             type_vocab=_get(cfg, path, "type_vocab_size", default=2),
             tie_embeddings=_get_bool(cfg, path, "tie_word_embeddings", True),
+            hidden_dropout=_get_prob(cfg, path, "hidden_dropout_prob"),
+            attention_dropout=_get_prob(cfg, path, "attention_probs_dropout_prob"),
+            activation=_get_act(cfg, path, "hidden_act"),
         )
     if mtype == "gpt2":
         hidden = _get(cfg, path, "n_embd", "hidden_size")
@@ -72,6 +94,11 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
             vocab=_get(cfg, path, "vocab_size"),
             max_positions=_get(cfg, path, "n_positions", "max_position_embeddings", default=1024),
             tie_embeddings=_get_bool(cfg, path, "tie_word_embeddings", True),
+            # resid_pdrop for every hidden-state dropout (embd_pdrop is the same 0.1 in
+            # GPT-2's published configs)
+            hidden_dropout=_get_prob(cfg, path, "resid_pdrop"),
+            attention_dropout=_get_prob(cfg, path, "attn_pdrop"),
+            activation=_get_act(cfg, path, "activation_function"),
         )
     heads = _get(cfg, path, "num_attention_heads")
     for unsupported in ("attention_bias", "mlp_bias"):
@@ -88,4 +115,6 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
         vocab=_get(cfg, path, "vocab_size"),
         max_positions=_get(cfg, path, "max_position_embeddings", default=4096),
         tie_embeddings=_get_bool(cfg, path, "tie_word_embeddings", False),
+        attention_dropout=_get_prob(cfg, path, "attention_dropout"),
+        activation=_get_act(cfg, path, "hidden_act"),
     )

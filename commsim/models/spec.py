@@ -58,14 +58,22 @@ class ParamSpec:
 
 @dataclass(frozen=True, slots=True)
 class Kernel:
-    """One kernel of a module's forward or backward (a gemm, an elementwise pass, ...)."""
+    """One kernel of a module's forward or backward (a gemm, an elementwise pass, ...).
 
-    name: str  # suffix for labels: "fwd", "dgrad", "wgrad", ...
+    ``kind`` is the kernel's class, which decides how it is priced. ``shape`` and
+    ``dtype`` describe the tensor it writes (a GEMM's is its output; empty for kernels
+    from models walked without them); bytes count every tensor read once and every
+    tensor written once (a broadcast operand by its own size).
+    """
+
+    name: str  # suffix for labels: "fwd", "dgrad", "wgrad", "softmax", ...
     kind: ComputeKind
     flops: int
     bytes_read: int
     bytes_written: int
     gemm: GemmShape | None = None
+    shape: tuple[int, ...] = ()
+    dtype: str = ""  # element type written: "bf16" (any 2-byte float), "fp32", "int64", "bool", ...
 
 
 @dataclass(frozen=True, slots=True)

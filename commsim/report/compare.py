@@ -12,10 +12,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from commsim.ir.ops import ComputeKind
 from commsim.ir.trace import HOST_STREAM, Trace, TraceRecord
 
 COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
-COMPUTE = {"gemm", "attention", "elementwise", "optimizer", "embedding"}
+COMPUTE = {k.value for k in ComputeKind}  # every compute op kind
 
 
 def _union(iv: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -24,7 +24,8 @@ from commsim.sim.records import HOST, SimResult
 
 COLOURS = {
     "gemm": "#4c72b0", "attention": "#55a868", "elementwise": "#8172b2", "optimizer": "#937860",
-    "embedding": "#64b5cd", "all_gather": "#dd8452", "reduce_scatter": "#c44e52", "all_reduce": "#da8bc3",
+    "embedding": "#64b5cd", "reduction": "#6f4e7c", "norm": "#2ca02c", "softmax": "#ff9f9b",
+    "dropout": "#9467bd", "all_gather": "#dd8452", "reduce_scatter": "#c44e52", "all_reduce": "#da8bc3",
     "broadcast": "#ccb974", "copy": "#8c8c8c", "host": "#bbbbbb",
 }
 # Stall causes get a palette of their own, far from every op kind's colour, so that a

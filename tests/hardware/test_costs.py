@@ -43,14 +43,58 @@ def test_tree_all_reduce_between_two_nodes_beats_ring_for_large_buffers():
     assert dict(plan.demands)[Link(LinkKind.NIC, 1)] == pytest.approx(1 << 30)  # the buffer once each way, not 2(p-1)/p
 
 
-def test_gemm_efficiency_falls_for_small_gemms_by_wave_quantisation():
+def gemm(m, n, k, batch=1, dt=2):
+    return O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, 2 * m * n * k * batch,
+                     (m * k + k * n) * batch * dt, m * n * batch * dt, O.GemmShape(m, n, k, batch))
+
+
+def test_gemm_main_loop_by_wave_quantisation_and_its_output_after_it():
     m = SpecCostModel(cluster_preset("p4d", 1))
-    big = O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, 2 * 8192**3, 0, 0, O.GemmShape(8192, 8192, 8192))
-    # 64 x 64 = 4096 tiles over 108 SMs: 38 waves, 99.8% wave efficiency
-    assert m.compute_ns(big) == 4000 + int(2 * 8192**3 / (312e12 * 0.75 * (4096 / (38 * 108))) * 1e9)
-    small = O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, 2 * 256 * 256 * 8192, 0, 0, O.GemmShape(256, 256, 8192))
+    bw = 1555e9 * 0.83  # A100-40GB HBM at M1's STREAM fraction
+    big = gemm(8192, 8192, 8192)
+    # 64 x 64 = 4096 tiles over 108 SMs: 38 waves, 99.8% wave efficiency; G1's ceiling 0.87
+    main = 2 * 8192**3 / (312e12 * 0.87 * (4096 / (38 * 108)))
+    assert m.compute_ns(big) == 4000 + int((main + big.bytes_written / bw) * 1e9)
+    small = gemm(256, 256, 8192)
     # 4 tiles on 108 SMs: 4/108 efficiency
-    assert m.compute_ns(small) == 4000 + int(2 * 256 * 256 * 8192 / (312e12 * 0.75 * 4 / 108) * 1e9)
+    main = 2 * 256 * 256 * 8192 / (312e12 * 0.87 * 4 / 108)
+    assert m.compute_ns(small) == 4000 + int((main + small.bytes_written / bw) * 1e9)
+    # attention's score bmm: its output (the scores) is large beside its flops (G3)
+    score, av = gemm(2048, 2048, 256, 64), gemm(2048, 256, 2048, 64)
+    assert score.flops == av.flops and m.compute_ns(score) > 1.5 * m.compute_ns(av)
+
+
+def test_gemm_misaligned_leading_dimension_and_precisions():
+    m = SpecCostModel(cluster_preset("dgx-h100", 1))
+    k = m.kernels
+    aligned, odd_n, odd_m = O.GemmShape(8192, 10944, 4096), O.GemmShape(8192, 10922, 4096), O.GemmShape(10922, 8192, 4096)
+    assert k.gemm_efficiency(odd_n) == pytest.approx(k.gemm_efficiency(aligned) * 272.7 / 398.4, rel=1e-2)  # G5
+    assert k.gemm_efficiency(odd_m) == pytest.approx(k.gemm_efficiency(aligned), rel=1e-2)  # m is no leading dim
+    g = O.GemmShape(4096, 4096, 4096)
+    # fp32 matmuls on CUDA cores (no TF32 by default), TF32 at half the 16-bit tensor peak
+    assert SpecCostModel(cluster_preset("p4d", 1), "fp32").kernels.gemm_rate(g) == pytest.approx(
+        19.5e12 * SpecCostModel(cluster_preset("p4d", 1)).kernels.gemm_efficiency(g))
+    assert SpecCostModel(cluster_preset("p4d", 1), "tf32").kernels.gemm_rate(g) == pytest.approx(
+        156e12 * SpecCostModel(cluster_preset("p4d", 1)).kernels.gemm_efficiency(g))
+    # V100: bf16 emulated at about 10 TFLOPS (G4), fp16 on tensor cores
+    v100 = cluster_preset("p3dn", 1)
+    assert SpecCostModel(v100, "bf16").kernels.gemm_rate(g) == 10e12
+    assert SpecCostModel(v100, "fp16").kernels.gemm_rate(g) > 80e12
+    with pytest.raises(ValueError, match="precision 'int8'"):
+        SpecCostModel(v100, "int8")
+
+
+def test_memory_bound_kernels_at_their_class_bandwidth():
+    m = SpecCostModel(cluster_preset("p4d", 1))
+    n = 2**28
+
+    def t(kind):
+        return m.compute_ns(O.Compute(O.OpId(1), "c", "", kind, n, n, n))
+
+    hbm = 1555e9
+    for kind, eff in ((O.ComputeKind.ELEMENTWISE, 0.83), (O.ComputeKind.REDUCTION, 0.83), (O.ComputeKind.NORM, 0.46),
+                      (O.ComputeKind.SOFTMAX, 0.71), (O.ComputeKind.DROPOUT, 0.72)):
+        assert t(kind) == 4000 + int(2 * n / (hbm * eff) * 1e9), kind
 
 
 def test_net_switch_keeps_the_node():

@@ -59,11 +59,12 @@ def test_gemm_flops_match_megatron_terms(name):
     cfg = MODEL_PRESETS[name]
     B, s = 2, 512
     d = describe(cfg, B, s)
-    gemm = sum(k.flops for m in d.modules for k in m.fwd if k.kind.value in ("gemm",))
-    attn = sum(4 * B * s * s * cfg.hidden for m in d.modules if m.kind.value == "attention")
+    # every matmul is a GEMM kernel now, the attention's QK^T and AV included; the
+    # rotary table's tiny bmm (Llama) is none of the formula's terms
+    gemm = sum(k.flops for m in d.modules for k in m.fwd if k.kind.value == "gemm")
     extra = 2 * B * s * cfg.hidden * cfg.hidden if cfg.family == "roberta" else 0
     h, L, V = cfg.hidden, cfg.layers, cfg.vocab
-    assert gemm + attn - extra == 24 * B * s * L * h * h + 4 * B * s * s * L * h + 2 * B * s * h * V
+    assert gemm - extra == 24 * B * s * L * h * h + 4 * B * s * s * L * h + 2 * B * s * h * V
     # backward gemms are exactly twice the forward ones; recompute = one forward of the layers
     bwd_gemm = sum(k.flops for m in d.modules for k in m.bwd if k.kind.value == "gemm")
     assert bwd_gemm == 2 * gemm
@@ -136,3 +137,39 @@ def test_hf_config_errors(tmp_path):
 def test_unknown_model_lists_presets():
     with pytest.raises(CommsimInputError, match=r"--model 'roberta-3b': not a preset .*presets: roberta-base, roberta-large"):
         resolve_model("roberta-3b")
+
+
+def _layer_counts(name, **kw):
+    d = describe(MODEL_PRESETS[name], 2, 16, **kw)
+    layer = [m for m in d.modules if m.block == 0]
+    return sum(len(m.fwd) for m in layer), sum(len(m.bwd) for m in layer)
+
+
+def test_kernels_per_layer():
+    # HF eager, training mode (tests/models/test_hf_kernels.py checks them against the
+    # real layers): PyTorch 1.10 adds a bias kernel after each of RoBERTa's 6 Linears and
+    # before each of GPT-2's 4 Conv1D GEMMs; Llama has no biases
+    from commsim.models import PYTORCH_2
+
+    assert _layer_counts("tiny") == (29, 38) and _layer_counts("tiny", torch=PYTORCH_2) == (23, 38)
+    assert _layer_counts("tiny-gpt2") == (32, 40) and _layer_counts("tiny-gpt2", torch=PYTORCH_2) == (28, 40)
+    assert _layer_counts("tiny-llama") == (48, 82)  # grouped: repeat_kv copies instead of k and v copies
+    assert _layer_counts("llama2-7b") == (48, 80)
+
+
+def test_dropout_at_zero_launches_nothing(tmp_path):
+    d = describe(MODEL_PRESETS["tiny"], 2, 16)
+    drop = next(m for m in d.modules if m.path.endswith("0.output.dropout"))
+    assert [k.kind.value for k in drop.fwd] == ["dropout"] and drop.fwd[0].bytes_written == 2 * 16 * 64 * 3
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**ROBERTA_BASE_CONFIG, "hidden_dropout_prob": 0.0, "hidden_act": "gelu"}))
+    d = describe(load_hf_config(path), 1, 16)
+    assert next(m for m in d.modules if m.path.endswith("0.output.dropout")).fwd == ()
+    # the module stays: ZeRO-3's hooks still see it
+    assert [m.path for m in d.modules] == [m.path for m in describe(MODEL_PRESETS["roberta-base"], 1, 16).modules]
+    path.write_text(json.dumps({**ROBERTA_BASE_CONFIG, "hidden_act": "swish"}))
+    with pytest.raises(CommsimInputError, match=r"field 'hidden_act'='swish' is not supported"):
+        load_hf_config(path)
+    path.write_text(json.dumps({**ROBERTA_BASE_CONFIG, "hidden_dropout_prob": 1.5}))
+    with pytest.raises(CommsimInputError, match=r"field 'hidden_dropout_prob' must be a probability in \[0, 1\)"):
+        load_hf_config(path)
