@@ -14,7 +14,7 @@ from typing import Protocol
 
 from commsim.hardware.gpu_kernels import GpuKernels
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
-from commsim.hardware.nccl import NCCL_CHANNELS, nccl_plan
+from commsim.hardware.nccl import NCCL_CHANNELS, NcclModel
 from commsim.hardware.platform import GPU, Platform
 from commsim.hardware.specs import US, ClusterSpec
 from commsim.ir import ops as O
@@ -74,6 +74,7 @@ class SpecCostModel:
         self.kernels = GpuKernels(self.gpu, node.pcie_bw_bytes_per_s, precision)
         self.nvl_bw = node.nvlink_bw_bytes_per_s * node.nvlink_efficiency
         self.nic_bw = node.fabric.node_bw_bytes_per_s
+        self.nccl = NcclModel(node)
         self.comm_slowdown = 1.0 + NCCL_CHANNELS / self.gpu.sm_count
         # NCCL's copies run on their own SMs and DMA: collectives are not slowed by compute
         self.comm_slowdown_during_compute = 1.0
@@ -100,5 +101,4 @@ class SpecCostModel:
         return self.nic_bw if link.kind is LinkKind.NIC else self.nvl_bw
 
     def collective(self, op: O.Collective) -> CollectivePlan:
-        return nccl_plan(op, self.node_of, self.cluster.node.fabric.latency_ns, self.link_capacity,
-                         self.gpu.kernel_overhead_ns)
+        return self.nccl.plan(op, self.node_of, self.link_capacity, self.gpu.kernel_overhead_ns)

@@ -33,3 +33,4 @@ class CollectivePlan:
     algorithm: str  # e.g. "ring/Simple"
     latency_ns: int
     demands: tuple[tuple[Link, float], ...]  # (link, bytes) pairs
+    sms: int = 0  # SMs each member GPU gives the collective's CTAs while it runs (NCCL: one per channel)
