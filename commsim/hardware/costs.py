@@ -14,7 +14,7 @@ from typing import Protocol
 
 from commsim.hardware.gpu_kernels import GpuKernels
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
-from commsim.hardware.nccl import nccl_plan
+from commsim.hardware.nccl import NcclModel
 from commsim.hardware.platform import GPU, Platform
 from commsim.hardware.sharing import IDLE, GpuResources, Taken
 from commsim.hardware.specs import US, ClusterSpec
@@ -82,6 +82,7 @@ class SpecCostModel:
         self.gpu_resources = self.kernels.resources
         self.nvl_bw = node.nvlink_bw_bytes_per_s * node.nvlink_efficiency
         self.nic_bw = node.fabric.node_bw_bytes_per_s
+        self.nccl = NcclModel(node)
         # interference comes from sharing gpu_resources (sharing.py), not from factors
         self.comm_slowdown = 1.0
         self.comm_slowdown_during_compute = 1.0
@@ -113,5 +114,4 @@ class SpecCostModel:
         return self.gpu_resources.hbm_bytes_per_s if link.kind is LinkKind.HBM else self.nvl_bw
 
     def collective(self, op: O.Collective) -> CollectivePlan:
-        return nccl_plan(op, self.node_of, self.cluster.node.fabric.latency_ns, self.link_capacity,
-                         self.gpu.kernel_overhead_ns)
+        return self.nccl.plan(op, self.node_of, self.link_capacity, self.gpu.kernel_overhead_ns)

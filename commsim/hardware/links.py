@@ -35,5 +35,5 @@ class CollectivePlan:
     algorithm: str  # e.g. "ring/Simple"
     latency_ns: int
     demands: tuple[tuple[Link, float], ...]  # (link, bytes) pairs
-    sms: int = 0  # SMs each member GPU gives the collective's CTAs while it runs
+    sms: int = 0  # SMs each member GPU gives the collective's CTAs while it runs (NCCL: one per channel)
     hbm_bytes: float = 0.0  # bytes it moves through each member GPU's HBM

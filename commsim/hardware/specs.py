@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from commsim.hardware.stacks import STACKS, SoftwareStack, stack_preset
 from commsim.ir.errors import CommsimInputError
 
 GB = 1e9
@@ -66,9 +67,15 @@ class FabricSpec:
     nic_rate_bytes_per_s: float  # line rate of one NIC, one direction
     # Achieved fraction of line rate in NCCL collectives (measured busbw / line rate).
     efficiency: float
-    # Added per inter-node ring step beyond NCCL's own network-hop latency.
+    # What one network crossing of an NCCL collective costs beyond NCCL's own network-hop
+    # latency (tuning.cc hwLat[NET], which was measured on InfiniBand): the fabric, the
+    # net plugin and the proxy threads, in the time NCCL runs. Physical time, unlike the
+    # latency a plugin *reports* to NCCL's tuner (stacks.PLUGIN_REPORTED_LATENCY_US).
     latency_ns: int
     kind: str  # "efa" or "ib"
+    # EFA: the instance type whose NICs these are (aws-ofi-nccl's platform table keys
+    # its reported latency, transport and tuner by it); "" for InfiniBand
+    instance: str = ""
 
     @property
     def node_bw_bytes_per_s(self) -> float:
@@ -89,6 +96,13 @@ class NodeSpec:
     fabric: FabricSpec
     price_usd_per_hour: float  # on-demand list price of the whole node
     price_note: str = ""
+    # The communication software it runs (stacks.STACKS): NCCL and, on EFA, aws-ofi-nccl.
+    stack: SoftwareStack = STACKS["early-2022"]
+    # Channels (one CTA, i.e. one SM, each) NCCL's graph search finds inside one node:
+    # 24 on an NVSwitch node (the 24-CTA all_gather of published-runs.md X2 on H100;
+    # assumed the same on A100's NVSwitch, unsure). Across nodes NCCL uses 2 per NIC
+    # (X5: 2 for one NIC, about 16 for 8 NICs): nccl.NcclModel.
+    nccl_channels: int = 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +116,11 @@ class ClusterSpec:
 
     @property
     def name(self) -> str:
-        return f"{self.nodes}x {self.node.name} ({self.node.fabric.name})"
+        stack = self.node.stack
+        sw = f"NCCL {stack.nccl_version}"
+        if self.node.fabric.kind == "efa":
+            sw += f" + aws-ofi-nccl {stack.plugin_version}"
+        return f"{self.nodes}x {self.node.name} ({self.node.fabric.name}; {sw})"
 
 
 # ---------------------------------------------------------------- GPUs
@@ -122,15 +140,28 @@ V100_32 = GpuSpec("V100-SXM2-32GB", 125 * TERA, 15.7 * TERA, 32 * 10**9, 900 * G
 
 # ---------------------------------------------------------------- fabrics
 # EFA: 100 Gb/s per NIC (AWS instance pages). Efficiency 0.85: "0.4 Tb/s nominal,
-# about 340 Gb/s effective in all-reduce" on p4d (stas00/ml-engineering, network).
-# Latency: the aws-ofi-nccl model tuner's 20 us network latency plus about 3 us
-# completion overhead (src/tuner/nccl_ofi_model.cpp).
-EFA_P4D = FabricSpec("EFA 4x100Gb/s", 4, 100e9 / 8, 0.85, 23 * US, "efa")
-EFA_P5 = FabricSpec("EFA 32x100Gb/s", 32, 100e9 / 8, 0.85, 23 * US, "efa")
-EFA_P3DN = FabricSpec("EFA 1x100Gb/s", 1, 100e9 / 8, 0.85, 23 * US, "efa")
+# about 340 Gb/s effective in all-reduce" on p4d (stas00/ml-engineering, network; N6).
+# Latency of one network crossing beyond NCCL's hwLat[NET] (a Simple-protocol crossing
+# pays it twice, as NCCL's tuner counts the network latency twice for Simple: see nccl):
+# * p5 (EFA 2nd generation, GPUDirect RDMA): 23 us, the aws-ofi-nccl model tuner's 20 us
+#   network latency plus about 3 us completion overhead (src/tuner/nccl_ofi_model.cpp;
+#   hardware.md). N2's 8-byte all_reduce (69 us, tree LL) checks it.
+# * p4d (EFA 1st generation, GPUDirect RDMA): 20 us, set from published-runs.md N1's
+#   8-byte all_reduce on two p4de (164 us): a tree of Simple steps (aws-ofi-nccl sets
+#   NCCL_PROTO=simple on p4d, stacks.py) is 2 x (7 NVLink hops x 4 us + 14 us + 2 x 20
+#   us) = 164 us with NCCL 2.18's hop latencies.
+# * p3dn (EFA 1st generation, no GPUDirect RDMA: data bounce through host memory): 36 us,
+#   set from N8: p3dn's 8-byte all_reduce grows 156 us per 4 more ring LL network steps
+#   (163 / 319 / 631 us on 2 / 4 / 8 nodes), 39 us per step, less NCCL's 2.7 us LL hop.
+#   Efficiency 0.6, set from N7: ring busbw 7.5 GB/s on 2 nodes, 6-8 on 8-32 (NCCL 2.4
+#   era), of a 12.5 GB/s NIC.
+EFA_P4D = FabricSpec("EFA 4x100Gb/s", 4, 100e9 / 8, 0.85, 20 * US, "efa", "p4d.24xlarge")
+EFA_P5 = FabricSpec("EFA 32x100Gb/s", 32, 100e9 / 8, 0.85, 23 * US, "efa", "p5.48xlarge")
+EFA_P3DN = FabricSpec("EFA 1x100Gb/s", 1, 100e9 / 8, 0.6, 36 * US, "efa", "p3dn.24xlarge")
 # InfiniBand: 200 Gb/s HDR / 400 Gb/s NDR per NIC (DGX user guides). Efficiency 0.96:
 # about 192 GB/s all-reduce busbw per DGX A100 node of 200 GB/s line rate (NVIDIA/nccl
-# issues 812, 412). Latency: HDR/NDR port latency about 0.5-0.6 us, ~1 us end to end.
+# issues 812, 412). Latency: HDR/NDR port latency about 0.5-0.6 us, ~1 us end to end;
+# NCCL's hwLat[NET] was measured on InfiniBand and covers the rest.
 IB_HDR_8 = FabricSpec("IB 8x200Gb/s HDR", 8, 200e9 / 8, 0.96, 1 * US, "ib")
 IB_NDR_8 = FabricSpec("IB 8x400Gb/s NDR", 8, 400e9 / 8, 0.96, 1 * US, "ib")
 
@@ -140,35 +171,44 @@ _PCIE5 = 50 * GB
 _PCIE3 = 12 * GB
 
 # ---------------------------------------------------------------- nodes
+# Software stacks (stacks.py): p4d, p3dn and dgx-a100 run the seed scenario's early-2022
+# stack (NCCL 2.11, aws-ofi-nccl 1.2 on EFA); azure-ndm-a100 the NCCL 2.18.5 of its
+# published benchmarks (I1); p5 and dgx-h100 today's (NCCL 2.27, aws-ofi-nccl 1.16).
+# cluster_preset(..., stack=...) picks another.
 NODE_PRESETS: dict[str, NodeSpec] = {
     n.name: n
     for n in (
         # 600 GB/s bidirectional NVSwitch per GPU = 300 one way (AWS p4d page).
         NodeSpec("p4d", A100_40, 8, 300 * GB, 0.78, _PCIE4, EFA_P4D, 32.77,
-                 "AWS on-demand us-east-1 p4d.24xlarge, as listed 2022-2024"),
+                 "AWS on-demand us-east-1 p4d.24xlarge, as listed 2022-2024", STACKS["early-2022"]),
         # 900 GB/s bidirectional NVSwitch = 450 one way (AWS p5 page); H100 ring busbw
         # about 370 GB/s (nccl-tests issue 212) -> 0.82.
         NodeSpec("p5", H100, 8, 450 * GB, 0.82, _PCIE5, EFA_P5, 98.32,
-                 "AWS on-demand us-east-1 p5.48xlarge, as listed 2024"),
+                 "AWS on-demand us-east-1 p5.48xlarge, as listed 2024", STACKS["2025"]),
         NodeSpec("dgx-a100", A100_80, 8, 300 * GB, 0.78, _PCIE4, IB_HDR_8, 32.77,
-                 "no list price; priced as a p4d node (same GPUs) for comparison"),
+                 "no list price; priced as a p4d node (same GPUs) for comparison", STACKS["early-2022"]),
         NodeSpec("dgx-h100", H100, 8, 450 * GB, 0.82, _PCIE5, IB_NDR_8, 98.32,
-                 "no list price; priced as a p5 node (same GPUs) for comparison"),
+                 "no list price; priced as a p5 node (same GPUs) for comparison", STACKS["2025"]),
         # p3dn: NVLink2 hybrid cube mesh, 6 links x 25 GB/s = 150 GB/s per V100 one way
         # (V100 datasheet 300 GB/s bidirectional); ring efficiency assumed as A100's.
+        # Channels: 12 rings over the mesh's 6 links (2 per link), assumed.
         NodeSpec("p3dn", V100_32, 8, 150 * GB, 0.78, _PCIE3, EFA_P3DN, 31.212,
-                 "AWS on-demand us-east-1 p3dn.24xlarge, as listed 2022-2024"),
+                 "AWS on-demand us-east-1 p3dn.24xlarge, as listed 2022-2024", STACKS["early-2022"],
+                 nccl_channels=12),
         NodeSpec("azure-ndm-a100", A100_80, 8, 300 * GB, 0.78, _PCIE4, IB_HDR_8, 32.77,
-                 "Azure ND96amsr A100 v4 pay-as-you-go, about 32.77 USD/h (2023)"),
+                 "Azure ND96amsr A100 v4 pay-as-you-go, about 32.77 USD/h (2023)", STACKS["2023"]),
     )
 }
 
 FABRICS = {"efa": EFA_P4D, "ib": IB_HDR_8}
 
 
-def cluster_preset(name: str, nodes: int, net: str | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
+def cluster_preset(name: str, nodes: int, net: str | None = None, gpus_per_node: int | None = None,
+                   stack: str | None = None) -> ClusterSpec:
     """A node preset times ``nodes``; ``net`` swaps the inter-node fabric (same NIC count
-    and line rate as the node's, EFA's or InfiniBand's efficiency and latency)."""
+    and line rate as the node's, EFA's or InfiniBand's efficiency and latency); ``stack``
+    picks the software stack (stacks.STACKS: "early-2022", "2023", "2025") instead of the
+    node's own."""
     if name not in NODE_PRESETS:
         raise CommsimInputError(f"--cluster {name!r}: allowed: {', '.join(NODE_PRESETS)}")
     if nodes <= 0:
@@ -180,6 +220,8 @@ def cluster_preset(name: str, nodes: int, net: str | None = None, gpus_per_node:
         if gpus_per_node <= 0:
             raise CommsimInputError("--gpus-per-node must be a positive integer")
         node = replace(node, gpus_per_node=gpus_per_node)
+    if stack is not None:
+        node = replace(node, stack=stack_preset(stack))
     return ClusterSpec(node, nodes)
 
 

@@ -1,0 +1,178 @@
+"""NCCL's own tuning constants, per NCCL version (NVIDIA/nccl src/graph/tuning.cc).
+
+NCCL prices every (algorithm, protocol) pair of a collective with a latency plus a
+bandwidth, and runs the cheapest (``ncclTopoTuneModel`` fills the tables when a
+communicator is created, ``ncclTopoGetAlgoTime`` prices one call). The constants below
+are the ones that model reads, as they stood in the NCCL versions the software stacks of
+``stacks`` name. Latencies in microseconds, bandwidths in GB/s (1e9 B/s), as NCCL keeps
+them; ``nccl`` converts them once.
+
+The values are written from the NCCL sources as I know them; where a figure or the
+version it changed in is uncertain the comment says so. Algorithms are "ring", "tree",
+"nvls" (NVLink SHARP, one H100 node) and "nvls_tree" (NVLS inside the node, a tree across
+nodes); protocols "LL", "LL128", "Simple". Hardware classes for per-hop latency: "nvlink",
+"pci", "net".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+ALGORITHMS = ("ring", "tree", "nvls", "nvls_tree")
+PROTOCOLS = ("LL", "LL128", "Simple")
+
+# The protocols' line formats (src/include/device.h): an LL line is 16 bytes carrying 8
+# data bytes (each 4-byte word paired with a 4-byte flag); an LL128 line is 128 bytes
+# carrying 120 data bytes (one 8-byte flag per line). Simple moves the data as it is.
+# These are bytes on the wire, so they are link demands (see nccl's docstring).
+WIRE_FACTOR = MappingProxyType({"LL": 2.0, "LL128": 128.0 / 120.0, "Simple": 1.0})
+
+# NCCL_STEPS slots per connection; the Simple buffer (NCCL_BUFFSIZE default 4 MiB) is cut
+# into that many steps (src/include/collectives.h, src/init.cc: DEFAULT_BUFFSIZE).
+NCCL_STEPS = 8
+SIMPLE_BUFFSIZE = 4 << 20
+# Threads per channel and the bytes each must have before NCCL adds a channel
+# (src/include/device.h NCCL_*_MAX_NTHREADS; src/graph/tuning.cc NCCL_*_THREAD_THRESHOLD;
+# the ring LL threshold is multiplied by the number of ranks). enqueue.cc drops channels
+# while bytes < channels x threads x threshold.
+MAX_NTHREADS = MappingProxyType({"LL": 512, "LL128": 640, "Simple": 512})
+THREAD_THRESHOLD = MappingProxyType({"LL": 8, "LL128": 8, "Simple": 64})
+MAXCHANNELS = 32  # src/include/device.h (2.10-2.18; 64 from 2.19 on H100, not needed here)
+
+
+def _table(rows: dict) -> Mapping:
+    return MappingProxyType({k: MappingProxyType(v) if isinstance(v, dict) else v for k, v in rows.items()})
+
+
+@dataclass(frozen=True, slots=True)
+class NcclTuning:
+    """The tuning model of one NCCL version (see the module docstring)."""
+
+    version: str  # e.g. "2.10": the oldest release these constants describe
+    # baseLat[algorithm][protocol], us: a call's fixed cost
+    base_lat_us: Mapping[str, Mapping[str, float]]
+    # hwLat[hw][algorithm][protocol], us: one hop over NVLink, PCI or the network
+    hw_lat_us: Mapping[str, Mapping[str, Mapping[str, float]]]
+    # llMaxBws[arch][nodes index] GB/s: the LL protocol's total bus bandwidth ceiling.
+    # arch "volta" / "ampere" / "hopper"; nodes index 0: one node, 1: two, 2: more.
+    # (On one node NCCL picks the row by GPU, across nodes by CPU vendor: Intel rows.)
+    ll_max_bw: Mapping[str, tuple[float, float, float]]
+    # perChMaxTreeBws[arch][nodes index] GB/s per channel: the tree's ceiling
+    tree_max_bw_per_channel: Mapping[str, tuple[float, float, float]]
+    # the LL128 ceiling per channel (ring and tree), GB/s
+    ll128_max_bw_per_channel: Mapping[str, float]
+    # treeCorrectionFactor[protocol][log2(bytes / 64)] for 64 B .. 256 MiB: "Trees are
+    # not perfectly sticking to the model for medium sizes" (ncclTopoGetAlgoTime)
+    tree_correction: Mapping[str, tuple[float, ...]]
+    # ring Simple all-reduce across nodes: latency x this ("Plateau effect of ring"),
+    # by arch, once each rank's share per channel is >= 64 bytes
+    ring_plateau: Mapping[str, float]
+    # True from 2.12: a ring's latency counts its intra-node steps at the intra-node hop
+    # and only its network steps at the network hop (with NCCL's per-step net overhead);
+    # before, a multi-node ring paid the network hop on every step.
+    ring_split_latency: bool
+    # the net plugin's reported latency (ncclNetProperties_t.latency, net API v6, NCCL
+    # 2.12 or so; unsure of the exact release) is added to every network hop, and once
+    # more for Simple (the receive flush)
+    reads_net_latency: bool
+    # NVLS (NVLink SHARP) all-reduce on one node, and NVLS+tree across nodes (2.17 / 2.18)
+    has_nvls: bool
+    # getNetOverhead(): the proxy's cost per ring step across nodes, us (x3 for Simple)
+    net_overhead_us: float
+
+    @property
+    def release(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.version.split("."))
+
+
+# Rows shared by the versions below (tuning.cc):
+_TREE_CORRECTION = {
+    "LL": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0),
+    "LL128": (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, .8, .8, .8, .7, .7, .7, .7, .7, .7,
+              .7),
+    "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9),
+}
+
+# NCCL 2.10-2.11 (tuning.cc as of 2.10.3; the early-2022 software of the seed scenario).
+NCCL_2_10 = NcclTuning(
+    version="2.10",
+    base_lat_us=_table({"ring": {"LL": 3.6, "LL128": 10.0, "Simple": 8.4},
+                        "tree": {"LL": 4.4, "LL128": 4.4, "Simple": 0.0}}),
+    # "Tree/Simple is the latency a 256kB chunk, which is ~ base lat + 256k/12GB/s
+    # (+ 256k/12GB/s for the network)": hence 28 us per tree hop for Simple.
+    hw_lat_us=_table({
+        "nvlink": MappingProxyType({"tree": MappingProxyType({"LL": .52, "LL128": 1.25, "Simple": 28.0}),
+                                    "ring": MappingProxyType({"LL": .47, "LL128": 1.9, "Simple": 3.4})}),
+        "pci": MappingProxyType({"tree": MappingProxyType({"LL": 1.0, "LL128": 1.9, "Simple": 28.0}),
+                                 "ring": MappingProxyType({"LL": 1.0, "LL128": 2.5, "Simple": 5.7})}),
+        "net": MappingProxyType({"tree": MappingProxyType({"LL": 5.0, "LL128": 8.5, "Simple": 28.0}),
+                                 "ring": MappingProxyType({"LL": 2.7, "LL128": 4.0, "Simple": 9.6})}),
+    }),
+    ll_max_bw=MappingProxyType({"volta": (39.0, 39.0, 20.4), "ampere": (87.7, 22.5, 19.0),
+                                "hopper": (87.7, 22.5, 19.0)}),  # no Hopper row before 2.12: Ampere's
+    tree_max_bw_per_channel=MappingProxyType({"volta": (26.5, 18.5, 10.0), "ampere": (24.0, 23.6, 17.8),
+                                              "hopper": (24.0, 23.6, 17.8)}),
+    ll128_max_bw_per_channel=MappingProxyType({"volta": 20.0, "ampere": 20.0, "hopper": 20.0}),
+    tree_correction=MappingProxyType(_TREE_CORRECTION),
+    ring_plateau=MappingProxyType({"volta": 1.9, "ampere": 1.4, "hopper": 1.4}),
+    ring_split_latency=False,
+    reads_net_latency=False,
+    has_nvls=False,
+    net_overhead_us=0.0,
+)
+
+# NCCL 2.18-2.19 (tuning.cc as of 2.18.3). NVLS figures: baseLat 0 and an NVLink hop of
+# 25 us for one node, 18-19 us per network hop for NVLS tree, as I recall them (unsure).
+NCCL_2_18 = NcclTuning(
+    version="2.18",
+    base_lat_us=_table({"ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4},
+                        "tree": {"LL": 6.8, "LL128": 14.0, "Simple": 0.0},
+                        "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 0.0},
+                        "nvls_tree": {"LL": 0.0, "LL128": 0.0, "Simple": 0.0}}),
+    hw_lat_us=_table({
+        "nvlink": MappingProxyType({"tree": MappingProxyType({"LL": .6, "LL128": 1.25, "Simple": 4.0}),
+                                    "ring": MappingProxyType({"LL": .6, "LL128": 1.9, "Simple": 3.4}),
+                                    "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 25.0}),
+                                    "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 25.0})}),
+        "pci": MappingProxyType({"tree": MappingProxyType({"LL": 1.0, "LL128": 1.9, "Simple": 4.0}),
+                                 "ring": MappingProxyType({"LL": 1.0, "LL128": 2.5, "Simple": 5.7}),
+                                 "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0}),
+                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0})}),
+        "net": MappingProxyType({"tree": MappingProxyType({"LL": 5.0, "LL128": 8.5, "Simple": 14.0}),
+                                 "ring": MappingProxyType({"LL": 2.7, "LL128": 4.0, "Simple": 14.0}),
+                                 "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 18.0}),
+                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 19.0})}),
+    }),
+    ll_max_bw=MappingProxyType({"volta": (39.0, 39.0, 20.4), "ampere": (87.7, 22.5, 19.0),
+                                "hopper": (141.0, 45.0, 35.0)}),
+    tree_max_bw_per_channel=MappingProxyType({"volta": (26.5, 18.5, 10.0), "ampere": (24.0, 23.6, 17.8),
+                                              "hopper": (38.7, 41.4, 36.0)}),
+    ll128_max_bw_per_channel=MappingProxyType({"volta": 20.0, "ampere": 20.0, "hopper": 36.7}),
+    tree_correction=MappingProxyType(_TREE_CORRECTION),
+    ring_plateau=MappingProxyType({"volta": 1.9, "ampere": 1.4, "hopper": 1.4}),
+    ring_split_latency=True,
+    reads_net_latency=True,
+    has_nvls=True,
+    # getNetOverhead(): 1 us on Intel hosts, 2 us on AMD (the presets' hosts are Intel)
+    net_overhead_us=1.0,
+)
+
+# NCCL 2.27: the 2.18 model is assumed to hold (the releases between retuned NVLS and
+# added PAT for one GPU per node, which the presets never have); I do not know the 2.27
+# constants well enough to write them apart, so this is an assumption, not a citation.
+NCCL_2_27 = NcclTuning(**{f: getattr(NCCL_2_18, f) for f in NcclTuning.__slots__ if f != "version"},
+                       version="2.27")
+
+TUNINGS = MappingProxyType({t.version: t for t in (NCCL_2_10, NCCL_2_18, NCCL_2_27)})
+
+
+def arch_of(gpu_name: str) -> str:
+    """NCCL's compute-capability class of a GPU spec (by its name)."""
+    name = gpu_name.upper()
+    if name.startswith("V100"):
+        return "volta"
+    if name.startswith(("H100", "H200")):
+        return "hopper"
+    return "ampere"
