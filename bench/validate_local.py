@@ -2,7 +2,7 @@
 
     python bench/validate_local.py                 # the full grid (about 50 minutes on 2 cores)
     python bench/validate_local.py --quick         # 8 rows, shorter runs, one run each
-    python bench/validate_local.py --traces traces # also keep the measured traces there
+    python bench/validate_local.py --traces traces # also keep the measured traces (and their schedules and profiles) there
 
 Steps, for every row of the grid: ``commsim calibrate`` with the row's ranks (timing,
 besides its generic benchmarks, the exact GEMM shapes of the row: ``--schedule``), right
@@ -26,7 +26,13 @@ DeepSpeed itself (on a different, tiny model). Rows marked ``slow-link`` /
 ``fast-link`` run the two ranks in separate network namespaces joined by a veth pair
 rate-limited with tc (root only), each calibrated over that link.
 
-Ends with one line: ``median |error| = X%  max |error| = Y%  rows = N``. The history of
+Each row also reports the error of each phase of the step as wall time (forward,
+backward with recompute, the optimizer step; boundaries as a training script's timer
+sees them: ``commsim.report.compare.phase_times``) and of the total communication time
+(executor rows), and the per-op median and p90 error; measured figures are the median
+over the measured steps everywhere. Ends with two lines:
+``median |error| = X%  max |error| = Y%  rows = N`` (step time) and
+``phases: median |error| = X%  max |error| = Y%  rows = N``. The history of
 grid runs, and what each showed, is in traces/README.md.
 """
 
@@ -136,15 +142,38 @@ def measure_executor(row: Row, sched_path: Path, out: Path, steps: int) -> float
     return median_step_s(out)
 
 
-def measure_deepspeed(row: Row, cfg_path: Path, work: Path, steps: int) -> float:
+def measure_deepspeed(row: Row, cfg_path: Path, timings: Path, steps: int) -> float:
+    """Real DeepSpeed's median step (its own timer); its phase times stay in ``timings``."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"))
-    timings = work / "ds_times.json"
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks),
          "-m", "runtime.examples.ds_train", "--model", row.model, "--seq", str(row.seq), "--ds-config", str(cfg_path),
          "--steps", str(steps + DEEPSPEED_WARMUP), "--timings", str(timings)], env=env)
     times = json.loads(timings.read_text())["step_times_s"][DEEPSPEED_WARMUP:]
     return statistics.median(times)
+
+
+# ds_train's phase names (its timer's boundaries: forward, backward, engine.step)
+_DS_PHASES = {"forward": "forward", "backward": "backward", "step": "optimizer"}
+
+
+def measured_phases(row: Row, out: Path, pred_trace) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(predicted, measured) wall time of each phase of the step, and of communication
+    where the run recorded its collectives, in seconds (measured: the median over the
+    measured steps), and the per-op error percentiles (executor runs)."""
+    from commsim.ir.trace import Trace
+    from commsim.report.compare import compare, phase_times
+
+    pred_records = [r for r in pred_trace.records if r.rank == 0 and r.step == 0]
+    predicted = {p: ns / 1e9 for p, ns in phase_times(pred_records).items()}
+    if row.runner == "deepspeed":
+        obj = json.loads(out.read_text())["phase_times_s"]
+        measured = {_DS_PHASES[k]: statistics.median(v[DEEPSPEED_WARMUP:]) for k, v in obj.items()}
+        return predicted, measured, {}
+    c = compare(pred_trace, Trace.load(out))
+    predicted["communication"] = c.predicted.comm_ns / 1e9
+    measured = {p: ns / 1e9 for p, ns in c.measured_phase_ns.items()}
+    return predicted, measured, c.percentiles()
 
 
 class LinkedNamespaces:
@@ -278,7 +307,7 @@ def main() -> None:
 
     def measure(row: Row, cfg_path: Path, sched_path: Path, out: Path) -> float:
         if row.runner == "deepspeed":
-            return measure_deepspeed(row, cfg_path, work, steps)
+            return measure_deepspeed(row, cfg_path, out, steps)
         if row.runner in LINK_RATE:
             links[row.runner].run_ranks(["execute", str(sched_path), "--steps", str(steps),
                                          "--warmup", str(EXECUTOR_WARMUP), "-o", str(out)])
@@ -291,7 +320,9 @@ def main() -> None:
         with_host_costs(row, path)
         return path
 
-    single_errs = []
+    single_errs: list[float] = []
+    phase_errs: list[float] = []  # |error| of every phase (and communication) of every row
+    phase_rows = 0
     for i, row in enumerate(rows):
         cfg_path = work / f"ds{i}.json"
         cfg_path.write_text(json.dumps(ds_config(row)))
@@ -309,6 +340,8 @@ def main() -> None:
         sched_path = work / f"sched{i}.json"
         save_schedule(schedule, sched_path)
         preds, meass = [], []
+        phase_runs: dict[str, list[tuple[float, float]]] = {}  # phase -> (predicted, measured) per run
+        op_pcts: list[dict[str, float]] = []
         for k in range(args.repeats):
             tag = "" if k == 0 else f".{k + 1}"
             out = work / f"measured{i}{tag}.json"
@@ -325,14 +358,21 @@ def main() -> None:
                 else:
                     profile = work / f"profile{i}.mean{tag}.json"
                     profile.write_text(json.dumps(mean, indent=1))
-            preds.append(predict(replace(sc, hw_profile=str(profile))).metrics.step_time_s)
+            prediction = predict(replace(sc, hw_profile=str(profile)))
+            preds.append(prediction.metrics.step_time_s)
+            ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace())
+            for p, v in ph_meas.items():
+                phase_runs.setdefault(p, []).append((ph_pred[p], v))
+            op_pcts.append(ops)
             if k == 0 and row.runner != "deepspeed" and args.traces:
                 dest = Path(args.traces)
                 dest.mkdir(parents=True, exist_ok=True)
                 from commsim.ir.trace import Trace
 
-                Trace.load(out).save(dest / (row.name.replace(" ", "_") + ".json.gz"))
-                shutil.copy(profile, dest / (row.name.replace(" ", "_") + ".profile.json"))
+                stem = row.name.replace(" ", "_")
+                Trace.load(out).save(dest / f"{stem}.json.gz")
+                shutil.copy(profile, dest / f"{stem}.profile.json")
+                save_schedule(schedule, dest / f"{stem}.schedule.json.gz")  # what the trace measured
         pred, meas = statistics.fmean(preds), statistics.fmean(meass)
         err = (pred - meas) / meas
         results.append((row, pred, meas, err))
@@ -341,12 +381,24 @@ def main() -> None:
         each = ", ".join(f"{e:+.1%}" for e in run_errs)
         print(f"{row.name:<28}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}"
               + (f"   ({each})" if args.repeats > 1 else ""), flush=True)
+        # each phase's mean prediction against its mean measurement, as for the step
+        ph_err = {p: (statistics.fmean(a for a, _ in v) - statistics.fmean(b for _, b in v))
+                  / statistics.fmean(b for _, b in v) for p, v in phase_runs.items() if statistics.fmean(b for _, b in v)}
+        phase_errs += [abs(e) for e in ph_err.values()]
+        phase_rows += 1 if ph_err else 0
+        ops = [o for o in op_pcts if o]
+        print("    phases: " + ", ".join(f"{p} {e:+.1%}" for p, e in ph_err.items())
+              + (f"; per op: median {statistics.fmean(o['p50'] for o in ops):+.0%}, "
+                 f"p90 {statistics.fmean(o['p90'] for o in ops):+.0%}" if ops else ""), flush=True)
     errs = [abs(e) for *_, e in results]
     print(f"(took {time.time() - t0:.0f} s; work files in {work})")
     if args.repeats > 1:
         print(f"each run on its own: median |error| = {statistics.median(single_errs):.1%}  "
               f"max |error| = {max(single_errs):.1%}  runs = {len(single_errs)}")
     print(f"median |error| = {statistics.median(errs):.1%}  max |error| = {max(errs):.1%}  rows = {len(errs)}")
+    if phase_errs:
+        print(f"phases: median |error| = {statistics.median(phase_errs):.1%}  max |error| = {max(phase_errs):.1%}  "
+              f"rows = {phase_rows}")
 
 
 if __name__ == "__main__":

@@ -204,10 +204,10 @@ def test_predict_refuses_what_a_profile_cannot_price(tmp_path):
     root = Path(__file__).resolve().parents[1]
     line = _refused(run("predict", "--net", "efa", "--hw-profile", stored, cwd=root))
     assert line == (f"commsim: error: --hw-profile {stored}: a gloo profile of CPU: AMD EPYC cannot price the GPU "
-                    "cluster 8x p4d (EFA 4x100Gb/s) (--net efa); calibrate that cluster with --backend nccl, or leave "
-                    "out --net / --cluster to predict the profiled machine")
+                    "cluster 8x p4d (EFA 4x100Gb/s; NCCL 2.11 + aws-ofi-nccl 1.2) (--net efa); calibrate that cluster "
+                    "with --backend nccl, or leave out --net / --cluster to predict the profiled machine")
     line = _refused(run("predict", "--cluster", "dgx-a100", *TINY[2:], "--hw-profile", stored, cwd=root))
-    assert "cannot price the GPU cluster 1x dgx-a100 (IB 8x200Gb/s HDR) (--cluster dgx-a100);" in line
+    assert "cannot price the GPU cluster 1x dgx-a100 (IB 8x200Gb/s HDR; NCCL 2.11) (--cluster dgx-a100);" in line
     line = _refused(run("predict", "--hw-profile", stored, cwd=root))  # the seed scenario: 8 GPUs a node
     assert line == (f"commsim: error: --hw-profile {stored}: measured 2 rank(s) per node, the scenario puts 8 on a "
                     "node; calibrate with 8 ranks per node or set --gpus-per-node 2")

@@ -18,6 +18,8 @@ from commsim.ir.text import HEADER_PREFIX, schedule_from_text
 def load_schedule_any(path: str | Path) -> Schedule:
     """A schedule from its JSON form or its text form (by its first line)."""
     p = Path(path)
+    if p.suffix == ".gz":  # the JSON form, compressed
+        return load_schedule(p)
     try:
         with p.open() as f:
             head = f.read(len(HEADER_PREFIX))

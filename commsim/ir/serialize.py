@@ -127,10 +127,16 @@ def schedule_hash(schedule: Schedule) -> str:
 
 
 def save_schedule(schedule: Schedule, path: str | Path) -> None:
-    """Write atomically: a temporary file in the same folder, then rename."""
-    from commsim.util.files import atomic_write_text
+    """Write atomically: a temporary file in the same folder, then rename; gzip-compressed
+    when the name ends in .gz."""
+    from commsim.util.files import atomic_write_bytes, atomic_write_text
 
-    atomic_write_text(path, schedule_to_json(schedule))
+    if str(path).endswith(".gz"):
+        import gzip
+
+        atomic_write_bytes(path, gzip.compress(schedule_to_json(schedule, indent=None).encode(), mtime=0))
+    else:
+        atomic_write_text(path, schedule_to_json(schedule))
 
 
 # ---------------------------------------------------------------- decoding
@@ -269,12 +275,18 @@ def schedule_from_json(text: str) -> Schedule:
 
 
 def load_schedule(path: str | Path) -> Schedule:
-    """Load a schedule file; errors name the file and the JSON path."""
+    """Load a schedule file (gzip-compressed when its name ends in .gz); errors name the
+    file and the JSON path."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise ScheduleFormatError(f"{path}: cannot read: {e.strerror}") from None
+        if path.suffix == ".gz":
+            import gzip
+
+            text = gzip.decompress(path.read_bytes()).decode()
+        else:
+            text = path.read_text()
+    except (OSError, EOFError) as e:
+        raise ScheduleFormatError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
     try:
         return schedule_from_json(text)
     except ScheduleFormatError as e:

@@ -43,6 +43,36 @@ def _exposed(comm: list[tuple[int, int]], comp: list[tuple[int, int]]) -> int:
     return total
 
 
+# A step's phases as wall time, one after the other: forward from the step's start to
+# its last forward op's end, backward (recompute included) from there to its last
+# backward op's end, the optimizer step from there to the step's end. The same
+# boundaries a training script's own timer sees (runtime/examples/ds_train.py times
+# forward, backward and engine.step so), so they compare with real runs' phase times.
+STEP_PHASES = ("forward", "backward", "optimizer")
+_PHASE_OF = {"fwd": "forward", "recompute": "backward", "bwd": "backward", "optimizer": "optimizer"}
+
+
+def phase_times(records: list[TraceRecord]) -> dict[str, int]:
+    """Wall time of each of STEP_PHASES in one rank's step (ns); a phase with no ops
+    takes no time."""
+    if not records:
+        return {p: 0 for p in STEP_PHASES}
+    start = min(r.start_ns for r in records)
+    end = max(r.end_ns for r in records)
+    last = {p: start for p in STEP_PHASES}
+    for r in records:
+        p = _PHASE_OF.get(r.phase)
+        if p is not None and r.end_ns > last[p]:
+            last[p] = r.end_ns
+    out, t = {}, start
+    for p in STEP_PHASES[:-1]:
+        t_end = max(t, last[p])
+        out[p] = t_end - t
+        t = t_end
+    out[STEP_PHASES[-1]] = max(0, end - t)
+    return out
+
+
 @dataclass
 class StepView:
     """One rank's step: step time and busy / exposed figures, in ns."""
@@ -52,6 +82,7 @@ class StepView:
     busy_by_phase: dict[str, int]
     comm_ns: int
     exposed_comm_ns: int
+    phase_ns: dict[str, int]  # wall time per STEP_PHASES
 
 
 def step_view(records: list[TraceRecord]) -> StepView:
@@ -64,21 +95,33 @@ def step_view(records: list[TraceRecord]) -> StepView:
         phases[r.phase] = phases.get(r.phase, 0) + r.end_ns - r.start_ns
     comm = [(r.start_ns, r.end_ns) for r in dev if r.kind in COLLECTIVES]
     comp = [(r.start_ns, r.end_ns) for r in dev if r.kind in COMPUTE and r.stream == "compute"]
-    return StepView(step, {s: _length(iv) for s, iv in streams.items()}, phases, _length(comm), _exposed(comm, comp))
+    return StepView(step, {s: _length(iv) for s, iv in streams.items()}, phases, _length(comm), _exposed(comm, comp),
+                    phase_times(records))
 
 
 @dataclass
 class Comparison:
+    """A prediction against a measurement. Measured figures are the median over the
+    measured steps (of the step time, of each phase time, of the communication time):
+    one definition everywhere."""
+
     predicted_step_ns: float
-    measured_step_ns: float
+    measured_step_ns: float  # the median measured step
     measured_step_spread_ns: float
     predicted: StepView
     measured: StepView
     op_errors: list[tuple[float, int, int, TraceRecord]]  # (signed rel. error, predicted ns, measured ns, record)
+    measured_phase_ns: dict[str, float]  # median over steps, per STEP_PHASES and "communication"
 
     @property
     def step_time_error_frac(self) -> float:
         return (self.predicted_step_ns - self.measured_step_ns) / self.measured_step_ns
+
+    def phase_errors(self) -> dict[str, float]:
+        """(predicted - measured) / measured of each phase's wall time and of the total
+        communication time (phases the measurement did not see are left out)."""
+        pred = dict(self.predicted.phase_ns, communication=self.predicted.comm_ns)
+        return {p: (pred[p] - m) / m for p, m in self.measured_phase_ns.items() if m > 0}
 
     def percentiles(self) -> dict[str, float]:
         errs = sorted(e for e, *_ in self.op_errors)
@@ -105,6 +148,9 @@ class Comparison:
             "measured_step_s": self.measured_step_ns / 1e9,
             "measured_step_spread_s": self.measured_step_spread_ns / 1e9,
             "predicted": view(self.predicted), "measured": view(self.measured),
+            "phase_s": {p: {"predicted": dict(self.predicted.phase_ns, communication=self.predicted.comm_ns)[p] / 1e9,
+                            "measured": m / 1e9} for p, m in self.measured_phase_ns.items()},
+            "phase_error_frac": self.phase_errors(),
             "op_duration_error": self.percentiles(),
             "ops_compared": len(self.op_errors),
             "largest_discrepancies": [
@@ -139,24 +185,32 @@ def compare(predicted: Trace, measured: Trace, rank: int = 0) -> Comparison:
             p = r.end_ns - r.start_ns
             errors.append(((p - m) / m if m else 0.0, p, int(m), r))
     spread = (max(step_times) - min(step_times)) / 2 if step_times else 0.0
-    return Comparison(float(pv.step_ns), float(statistics.mean(step_times)), float(spread), pv, mv, errors)
+    phases = {p: float(statistics.median(v.phase_ns[p] for v in views)) for p in STEP_PHASES}
+    phases["communication"] = float(statistics.median(v.comm_ns for v in views))
+    return Comparison(float(pv.step_ns), float(med), float(spread), pv, mv, errors, phases)
 
 
 def format_comparison(c: Comparison, n_worst: int = 8) -> str:
     """The comparison as a text table (times in ms, op durations in us), one line per figure."""
     lines = [f"step time: predicted {c.predicted_step_ns / 1e6:.2f} ms, measured {c.measured_step_ns / 1e6:.2f} ms "
-             f"(+- {c.measured_step_spread_ns / 1e6:.2f}): error {c.step_time_error_frac:+.1%}",
-             f"{'busy per stream':<22}{'predicted ms':>14}{'measured ms':>14}"]
+             f"(median of the measured steps, +- {c.measured_step_spread_ns / 1e6:.2f}): error "
+             f"{c.step_time_error_frac:+.1%}",
+             f"{'phase (wall time)':<22}{'predicted ms':>14}{'measured ms':>14}{'error':>9}"]
 
     def row(name: str, p_ns: float, m_ns: float) -> str:
         return f"  {name:<20}{p_ns / 1e6:>14.2f}{m_ns / 1e6:>14.2f}"
+
+    errs = c.phase_errors()
+    pred = dict(c.predicted.phase_ns, communication=c.predicted.comm_ns)
+    for p, m in c.measured_phase_ns.items():
+        lines.append(row(p, pred[p], m) + (f"{errs[p]:>+9.1%}" if p in errs else ""))
+    lines.append(f"{'busy per stream':<22}{'predicted ms':>14}{'measured ms':>14}")
 
     for s in sorted(set(c.predicted.busy_by_stream) | set(c.measured.busy_by_stream)):
         lines.append(row(s, c.predicted.busy_by_stream.get(s, 0), c.measured.busy_by_stream.get(s, 0)))
     lines.append(f"{'busy per phase':<22}")
     for s in sorted(set(c.predicted.busy_by_phase) | set(c.measured.busy_by_phase)):
         lines.append(row(s, c.predicted.busy_by_phase.get(s, 0), c.measured.busy_by_phase.get(s, 0)))
-    lines.append(row("communication", c.predicted.comm_ns, c.measured.comm_ns))
     lines.append(row("exposed comm.", c.predicted.exposed_comm_ns, c.measured.exposed_comm_ns))
     pc = c.percentiles()
     if pc:

@@ -128,3 +128,12 @@ def test_group_runs_in_text():
     line = op_to_text(op)
     assert "group=0-3,8,10-11 " in line
     assert op_from_text(line) == op
+
+
+def test_gzip_schedules_round_trip_by_name(tmp_path, tiny_schedule):
+    from commsim.ir.load import load_schedule_any
+
+    path = tmp_path / "s.json.gz"
+    save_schedule(tiny_schedule, path)
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    assert load_schedule(path) == tiny_schedule and load_schedule_any(path) == tiny_schedule

@@ -131,7 +131,7 @@ def test_the_profile_document_follows_the_platform():
     assert prof.copy_ns(d2h) == 8000 + 1_000_000  # 22 MB at 22 GB/s
 
 
-TRACES = sorted((ROOT / "traces" / "local-cpu").glob("*.json.gz"))
+TRACES = sorted(p for p in (ROOT / "traces" / "local-cpu").glob("*.json.gz") if not p.name.endswith(".schedule.json.gz"))
 
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])
@@ -139,6 +139,11 @@ def test_stored_measured_traces(path):
     t = Trace.load(path)
     assert t.meta.source is TraceSource.MEASURED and t.meta.producer == "commsim execute (gloo)"
     assert t.meta.schedule_hash and len(t.meta.get("step_times_ns")) == 5
+    # the schedule it measured lies beside it
+    from commsim.ir.serialize import load_schedule, schedule_hash
+
+    assert schedule_hash(load_schedule(path.with_name(path.name.replace(".json.gz", ".schedule.json.gz")))) == \
+        t.meta.schedule_hash
     ranks = {r.rank for r in t.records}
     assert ranks in ({0, 1}, {0, 1, 2, 3})
     assert {r.step for r in t.records} == {0, 1, 2, 3, 4}
