@@ -103,6 +103,10 @@ class Platform:
     malloc_syncs_device: bool
     cpu: CpuCores | None = None  # CPU backends whose cores were measured
     drift: RankDrift = NO_DRIFT
+    # the relative standard deviation of one host op's time (the framework's Python, the
+    # OS, the allocator), independent per op and rank: each synchronisation then waits
+    # for whichever rank's host is latest (0: not measured, hosts run like clockwork)
+    host_jitter: float = 0.0
 
     @property
     def inline_kernels(self) -> bool:

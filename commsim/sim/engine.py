@@ -78,6 +78,9 @@ class Simulator:
         self.mode = mode
         self.jitter = config.jitter if config.jitter is not None else (0.01 if mode == "per-rank" else 0.0)
         self.rank_noise = (noise_sd, noise_corr_ns) if mode == "per-rank" and noise_sd else (0.0, 0)
+        self.host_jitter = config.host_jitter if config.host_jitter is not None else platform.host_jitter
+        if self.host_jitter < 0:
+            raise ValueError(f"host jitter {self.host_jitter}: must be >= 0")
         self.env = simpy.Environment()
         self.ranks = {0} if mode == "symmetric" else set(range(schedule.world_size))
         self.nodes = {cost.node_of(r) for r in self.ranks}

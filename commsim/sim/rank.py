@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import simpy
 
 from commsim.hardware.sharing import IDLE
+from commsim.sim.lateness import HostLateness
 from commsim.ir import ops as O
 from commsim.sim.allocator import Block, CachingAllocator, OutOfMemory
 from commsim.sim.cpu_scheduler import CpuScheduler, CpuThread
@@ -72,6 +73,11 @@ class RankSim:
         self.noise_t = 0
         self.finished_issuing = False
         self.stream_comm = sim.stream_comm(self.program)
+        # host-time jitter: drawn per op in per-rank mode; in symmetric mode the expected
+        # lateness of a collective's slowest member (lateness.py)
+        self.host_sd = sim.host_jitter
+        self.host_rng = random.Random(sim.config.seed * 7_919 + rank + 1)
+        self.lateness = HostLateness(sim.host_jitter) if sim.host_jitter and sim.mode == "symmetric" else None
         # the node's time-sliced cores, when the simulator runs the OS scheduler (CPU
         # platforms with more ranks than cores); None: the host thread needs no core
         self.cpu: CpuScheduler | None = sim.cpus.get(self.node)
@@ -133,17 +139,18 @@ class RankSim:
             if issue_ns and isinstance(op, O.DEVICE_OP_TYPES):
                 host_t += issue_ns  # the host's own cost of handing the op to its stream
             if isinstance(op, O.HostWork):
+                dur = self._host_ns(op.duration_ns)
                 if self.cpu is not None:  # the host thread needs a core for it
                     yield from self._spend(host_t - env.now)
                     t0 = env.now
-                    yield from self._spend(op.duration_ns)
+                    yield from self._spend(dur)
                     if rec:
                         self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
                     host_t = env.now
                     continue
                 if rec:
-                    self.result.records.append(OpRecord(self.rank, HOST, op, host_t, host_t, host_t + op.duration_ns))
-                host_t += op.duration_ns
+                    self.result.records.append(OpRecord(self.rank, HOST, op, host_t, host_t, host_t + dur))
+                host_t += dur
                 continue
             if host_t > env.now:
                 yield from self._spend(host_t - env.now)
@@ -191,18 +198,22 @@ class RankSim:
             ev = env.event()
             self.space[stream] = ev
             yield ev
+            if self.lateness is not None:
+                self.lateness.waited()
         if env.now > t0:
             self.result.host_blocks.append(HostBlock(t0, env.now, "launch_queue"))
         done = env.event()
         self.done[op.id] = done
         self._issued(op, done)
-        seq = None
+        seq, late = None, 0
         if isinstance(op, O.Collective):
             # a group's collectives match across ranks in the order the host issued them
             # (the IR's rule, NCCL's launch order), whatever streams they wait on
             seq = self.coll_seq.get(op.group, 0)
             self.coll_seq[op.group] = seq + 1
-        q.append((op, env.now, ticket, seq))
+            if self.lateness is not None:
+                late = self.lateness.slowest_of(len(op.group))
+        q.append((op, env.now, ticket, seq, late))
         w = self.wakeups.get(stream)
         if w is not None:
             self.wakeups[stream] = None
@@ -217,6 +228,17 @@ class RankSim:
             if bs is not None:
                 bs.add(op.stream)
 
+    def _host_ns(self, duration_ns: int) -> int:
+        """A host op's time on this rank: drawn (per-rank mode) or its mean, its variance
+        kept for the lateness of the next collective (symmetric mode)."""
+        sd = self.host_sd
+        if not sd:
+            return duration_ns
+        if self.lateness is not None:
+            self.lateness.add(duration_ns)
+            return duration_ns
+        return max(0, int(duration_ns * exp(self.host_rng.gauss(0.0, sd) - sd * sd / 2)))
+
     def _spend(self, ns: int):
         """The host thread's own time: on a scheduled CPU it needs a core for it."""
         if ns <= 0:
@@ -228,6 +250,8 @@ class RankSim:
 
     def _block(self, pending: list[simpy.Event]):
         """The host thread waits for events: on a scheduled CPU it gives its core up."""
+        if self.lateness is not None:
+            self.lateness.waited()
         if self.cpu is not None:
             self.cpu.release(self.thread)
         yield simpy.AllOf(self.env, pending)
@@ -381,7 +405,7 @@ class RankSim:
                 self.wakeups[stream] = ev
                 yield ev
                 continue
-            op, issued, ticket, seq = q.popleft()
+            op, issued, ticket, seq, late = q.popleft()
             sp = self.space.get(stream)
             if sp is not None:
                 self.space[stream] = None
@@ -397,7 +421,11 @@ class RankSim:
             if isinstance(op, O.Collective):
                 if ticket is not None:
                     yield from self.await_ticket(ticket)
+                late_wait = issued + late - env.now  # the slowest member issues it later
+                if late_wait > 0:
+                    yield env.timeout(late_wait)
                 start, wait_peers = yield from self._collective(op, seq)
+                wait_peers += max(0, late_wait)
             else:
                 start = env.now
                 yield from self.kernel(op)

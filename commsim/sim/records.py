@@ -28,6 +28,10 @@ class SimConfig:
     # (``commsim calibrate`` on CPU backends), else none.
     rank_noise_sd: float | None = None
     rank_noise_corr_ns: int | None = None
+    # Relative sd of each host op's time, per rank (None: the platform's). Per-rank mode
+    # draws it; symmetric mode adds the expected lateness of a collective's slowest member
+    # (order statistics, see rank.py).
+    host_jitter: float | None = None
     launch_queue_depth: int = 1024  # CUDA's pending-launch queue holds about 1024 kernels
     alloc_hit_ns: int = 1_000  # caching-allocator hit: about 1 us of host time (allocator.md)
     keep_trace: bool = True
