@@ -157,27 +157,27 @@ class HostCosts:
 
     # One kernel launched from PyTorch eager mode (launch_ns) and one collective call
     # through torch.distributed (collective_launch_ns).
-    launch_ns: int = 6_000
-    collective_launch_ns: int = 20_000
+    launch_ns: int = 6_400
+    collective_launch_ns: int = 14_000
     # A module's pre-forward / pre-backward hook (fetch): fixed, per parameter it
     # visits, per parameter it starts gathering, per parameter whose gather it completes.
-    module_hook_ns: int = 30_000
+    module_hook_ns: int = 26_300
     fetch_param_ns: int = 0
-    gather_param_ns: int = 0
-    gather_param_rank_ns: int = 0
-    wait_param_ns: int = 0
-    wait_param_rank_ns: int = 0
+    gather_param_ns: int = 23_400
+    gather_param_rank_ns: int = 300
+    wait_param_ns: int = 26_900
+    wait_param_rank_ns: int = 1_000
     # A module's post-forward / post-backward hook (release): fixed, per parameter it
     # visits, per parameter it frees.
-    release_hook_ns: int = 0
-    release_param_ns: int = 0
-    free_param_ns: int = 0
+    release_hook_ns: int = 20_600
+    release_param_ns: int = 2_500
+    free_param_ns: int = 41_600
     # The per-parameter gradient hook (bucket bookkeeping, the copy call).
-    grad_hook_ns: int = 10_000
+    grad_hook_ns: int = 23_300
     # A bucket flush: fixed, and per gradient in it (its loops over the ranks).
-    reduce_flush_ns: int = 0
-    reduce_param_ns: int = 0
-    reduce_param_rank_ns: int = 0
+    reduce_flush_ns: int = 246_400
+    reduce_param_ns: int = 14_200
+    reduce_param_rank_ns: int = 2_900
     # Formatting one 0.5.10 debug string around a tensor op's result, beyond the op's
     # launch and the host sync its .item() forces (debug_string_ops).
     debug_string_ns: int = 0
@@ -199,8 +199,27 @@ class HostCosts:
         return self.reduce_flush_ns + n_grads * (self.reduce_param_ns + self.reduce_param_rank_ns * ranks)
 
 
-# DeepSpeed version -> its host costs (filled from the measured table below)
-HOST_COSTS: dict[str, HostCosts] = {"0.19.8": HostCosts(), "0.6.0": HostCosts(), "0.5.10": HostCosts()}
+# DeepSpeed release -> its host costs: traces/host-costs/derived.json, fitted by
+# ``python -m runtime.ds_host_costs --derive traces/host-costs/*.json`` from the six
+# measurements beside it (each release at 8 and 64 ranks, on an AMD EPYC Zen 4 VM
+# core, 2026-11-30; the table is in traces/README.md), times CPU_SCALE = 1.0 (no
+# single-thread benchmark of that CPU and the p4d's Xeon 8275CL was at hand: see
+# runtime/ds_host_costs.py). The launches (the same PyTorch for all three: the mean
+# of the six runs) add cudaLaunchKernel's 3.8 us (NVIDIA Developer Blog, "Getting
+# Started with CUDA Graphs", 2019) to a PyTorch op's dispatch (2.5-2.7 us) and to a
+# c10d all_gather call (9.9-10.8 us, its fake backend at 8 ranks) measured here.
+# 0.19.8's are the dataclass defaults.
+HOST_COSTS: dict[str, HostCosts] = {
+    "0.19.8": HostCosts(),
+    "0.6.0": HostCosts(module_hook_ns=35_900, fetch_param_ns=1_800, gather_param_ns=44_100,
+                       gather_param_rank_ns=200, wait_param_ns=33_400, wait_param_rank_ns=1_200,
+                       release_hook_ns=13_900, release_param_ns=1_500, free_param_ns=40_800, grad_hook_ns=26_000,
+                       reduce_flush_ns=0, reduce_param_ns=23_600, reduce_param_rank_ns=3_400),
+    "0.5.10": HostCosts(module_hook_ns=16_400, fetch_param_ns=7_500, gather_param_ns=38_200, gather_param_rank_ns=0,
+                        wait_param_ns=0, wait_param_rank_ns=0, release_hook_ns=4_900, release_param_ns=5_200,
+                        free_param_ns=20_600, grad_hook_ns=16_400, reduce_flush_ns=428_400, reduce_param_ns=8_000,
+                        reduce_param_rank_ns=2_100, debug_string_ns=3_500),
+}
 
 
 def host_costs_for(version: str) -> HostCosts:

@@ -38,17 +38,26 @@ from commsim.strategies.zero3_layout import COMPUTE, Zero3Layout
 from commsim.strategies.zero3_params import ParamCoordinator
 
 
-def sub_groups(params: tuple[ParamSpec, ...], sub_group_size: int) -> list[list[ParamSpec]]:
-    """Parameters split into optimizer sub-groups of at most ``sub_group_size`` elements
-    (a parameter larger than that is a sub-group of its own)."""
-    groups: list[list[ParamSpec]] = [[]]
-    size = 0
+def sub_groups(params: tuple[ParamSpec, ...], sub_group_size: int,
+               part: dict[str, int] | None = None) -> list[list[ParamSpec]]:
+    """Parameters split into optimizer sub-groups as _create_fp16_sub_groups does it
+    (0.5.10 s3:1327-1351; 0.19.8 stage3.py:1210-1233): by the rank's partition sizes
+    ``part`` (the full sizes without it), one group if they all fit, else each group
+    closed by the parameter that brings it to ``sub_group_size`` or beyond."""
+    size = (lambda p: part[p.name]) if part is not None else (lambda p: p.numel)
+    if sub_group_size >= sum(size(p) for p in params):
+        return [list(params)]
+    groups: list[list[ParamSpec]] = []
+    group: list[ParamSpec] = []
+    total = 0
     for p in params:
-        if groups[-1] and size + p.numel > sub_group_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += p.numel
+        group.append(p)
+        total += size(p)
+        if total >= sub_group_size:
+            groups.append(group)
+            group, total = [], 0
+    if group:
+        groups.append(group)
     return groups
 
 
@@ -59,7 +68,7 @@ class Zero3OptimizerStep:
                  coordinator: ParamCoordinator, version: DeepSpeedVersion = CURRENT):
         self.b, self.layout, self.ds, self.knobs, self.costs, self.coord = b, layout, ds, knobs, costs, coordinator
         self.version = version
-        self.sub_groups = sub_groups(layout.params, ds.zero.sub_group_size)
+        self.sub_groups = sub_groups(layout.params, ds.zero.sub_group_size, dict(layout.part))
         # 0.5.10's reduce path makes the gradient partition per step (zero3_grads.py)
         self.partition_per_step = not knobs.preallocated_reduce_buffers and not layout.offload
 

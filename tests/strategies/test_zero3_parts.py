@@ -34,11 +34,14 @@ def test_persistent_params_fill_the_model_budget_per_rank_in_ds_order():
     assert persistent_params(params, 0, 10**9, 2) == frozenset()
 
 
-def test_sub_groups_start_a_new_group_before_overflowing():
+def test_sub_groups_close_at_the_parameter_that_fills_them():
+    # _create_fp16_sub_groups: a group ends with the parameter that brings it to the
+    # size or beyond; one group when everything fits; sizes are the rank's partitions
     a, b, c, d = _p("a", 5), _p("b", 20), _p("c", 3), _p("d", 4)
-    assert sub_groups((a, b, c, d), 10) == [[a], [b], [c, d]]
-    assert sub_groups((b, a), 10) == [[b], [a]]  # a parameter larger than a group is a group alone
-    assert sub_groups((a, b, c, d), 10**9) == [[a, b, c, d]]
+    assert sub_groups((a, b, c, d), 10) == [[a, b], [c, d]]
+    assert sub_groups((b, a), 10) == [[b], [a]]
+    assert sub_groups((a, b, c, d), 32) == [[a, b, c, d]]
+    assert sub_groups((a, b, c, d), 10, {"a": 3, "b": 3, "c": 4, "d": 1}) == [[a, b, c], [d]]
 
 
 def _costs() -> HostCosts:
