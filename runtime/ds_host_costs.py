@@ -9,7 +9,7 @@ its PyPI sdist (``pip download --no-deps --no-binary :all: deepspeed==0.5.10``),
 put first on ``sys.path`` and never copied into the project.
 
 The release's own ZeRO-3 machinery is attached to a small RoBERTa-shaped model
-(``runtime.torch_models``, Hugging Face's module tree, 4 layers of width 16) and run
+(``runtime.torch_models``, Hugging Face's module tree, 6 layers of width 16) and run
 for real on the CPU: forward and backward with layer-wise (reentrant) checkpointing,
 the release's module hooks, parameter coordinator, gather and release paths,
 gradient hooks, bucket flushes and epilogue. Its device calls are replaced by no-ops
@@ -162,7 +162,6 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: dict[str, list[tuple[int, dict[str, int]]]] = collections.defaultdict(list)
         self.counts: collections.Counter = collections.Counter()
-        self.depth = 0
         self.exclude_ns = 0
 
     def count(self, key: str, n: int = 1) -> None:
@@ -318,8 +317,6 @@ class OldRelease:
 
             cc.torch_reduce_scatter_fn = _handle
             self.cc = cc
-        import torch.distributed as dist
-
         for name in ("_all_gather_base", "all_gather", "reduce_scatter", "_reduce_scatter_base", "all_reduce"):
             setattr(pp.dist, name, _handle)
         self.Stage3 = next(c for c in vars(s3).values()
@@ -429,7 +426,6 @@ class OldRelease:
             setattr(opt, name, rec.wrap("release", getattr(opt, name), n_params))
         # what a hook did: parameters gathered, released, examined for prefetch
         if self.new:
-            orig_agc_owner = None
             for _, p in opt.module.named_parameters():
                 f = p.all_gather_coalesced
 
@@ -624,7 +620,7 @@ class CurrentRelease:
             p.all_gather_coalesced = agc
             g = p.partition
 
-            def part(*a, _g=g, _p=p, **k):
+            def part(*a, _g=g, **k):
                 rec.count("freed")
                 return _g(*a, **k)
 

@@ -149,7 +149,7 @@ class HostCosts:
     The DeepSpeed figures are each release's own routines timed on a CPU with their
     device calls replaced by no-ops (runtime/ds_host_costs.py; the table, machine and
     date are in traces/README.md), at two world sizes so that the loops over ranks
-    scale (``*_rank_ns``: per rank of the partition group), times ``CPU_SCALE`` for
+    scale (``*_rank_ns``: per rank of the partition group), times ds_host_costs.CPU_SCALE for
     the p4d host's CPU. Kernel and collective launches add a cited CUDA figure to the
     PyTorch / c10d dispatch measured the same way. ``HOST_COSTS`` holds one set per
     DeepSpeed release; the defaults here are 0.19.8's.
