@@ -754,14 +754,17 @@ def phase_times_ms(pred) -> dict[str, float]:
 E2_MICRO, E2_SEQ = (4, 8, 16), (128, 256, 512)
 
 
-def e2(tmp: Path) -> list[Row]:
+def e2_phases(tmp: Path) -> tuple[dict, list, list]:
+    """Forward / backward / optimizer times of the 5.1B bing_bert on one p4d node over
+    the grid, for DeepSpeed 0.5.10 (``baseline``: PR 1188's state, which 0.5.5 shipped),
+    0.6.0 (``optimized``) and ZeRO-2; and the grid points where all of them fit."""
     # bing_bert 5.1B (DeepSpeed PR 1188): a bert config.json; DeepSpeed's transformer
     # kernel recomputed only attention dropout and GELU, so no layer-wise checkpointing.
     cfg = write_config(tmp, "bing-bert-5.1b", {"model_type": "bert", "hidden_size": 2560, "num_hidden_layers": 64,
                                                "num_attention_heads": 40, "intermediate_size": 10240,
                                                "vocab_size": 32003, "max_position_embeddings": 512,
                                                "type_vocab_size": 2})
-    presets = (("z3 baseline", 3, "baseline"), ("z3 optimized", 3, "optimized"), ("z2", 2, "optimized"))
+    presets = (("z3 0.5.10", 3, "baseline"), ("z3 0.6.0", 3, "optimized"), ("z2", 2, "current"))
     points = [(micro, seq) for micro in E2_MICRO for seq in E2_SEQ]
     phases: dict[tuple[str, int, int], dict[str, float] | None] = {}
     for name, stage, preset in presets:
@@ -769,29 +772,40 @@ def e2(tmp: Path) -> list[Row]:
             p = predict(Scenario(model=cfg, cluster="p4d", nodes=1, stage=stage, preset=preset,
                                  ds_config=ds(stage, micro), seq=seq, checkpointing=False, mode="symmetric"))
             phases[name, micro, seq] = None if p.metrics.oom else phase_times_ms(p)
-    # The published figures come from one setup run under each preset: the range is over
-    # the points where every preset fits (stage 0-2 schedules allocate no activations, so
+    # The published figures come from one setup run under each version: the range is over
+    # the points where every one fits (stage 0-2 schedules allocate no activations, so
     # ZeRO-2 alone never runs out; ZeRO-3 does at the larger points).
     fit = [(m, s) for m, s in points if all(phases[name, m, s] is not None for name, _, _ in presets)]
+    return phases, fit, points
+
+
+def e2(tmp: Path) -> list[Row]:
+    # PR 1188 was merged between DeepSpeed 0.5.4 and 0.5.5; 0.5.5-0.5.10 ship its state
+    # (research note deepspeed-zero3-versions.md section 10.2), so its "after" figures are
+    # the baseline's (0.5.10). Its "before" (0.5.4) is not modelled: see SKIPPED.
+    phases, fit, points = e2_phases(tmp)
     grid = f"micro-batch {'/'.join(map(str, E2_MICRO))} x seq {'/'.join(map(str, E2_SEQ))}"
 
     def setup(name: str) -> str:
-        stage = "ZeRO-3 " + name.split()[1] if name.startswith("z3") else "ZeRO-2"
+        what = {"z3 0.5.10": "ZeRO-3 DeepSpeed 0.5.10 (baseline)", "z3 0.6.0": "ZeRO-3 DeepSpeed 0.6.0 (optimized)",
+                "z2": "ZeRO-2"}[name]
         return (f"p4d 1x8 A100-40GB; 5.1B bert config.json (h 2560, 64 layers, 40 heads, FFN 10240, vocab 32003), "
-                f"{stage}, fp16, no checkpointing; range over {grid} where every preset fits")
+                f"{what}, fp16, no checkpointing; range over {grid} where every version fits")
 
     fit_note = (f"{len(fit)} of {len(points)} points fit under ZeRO-3: "
                 + " ".join(f"{m}x{s}" for m, s in fit))
-    pr = "DeepSpeed PR 1188 text"
-    cm = "the PR's final commit message"
+    pr = "DeepSpeed PR 1188 text, after the PR"
+    cm = "the PR's final commit message, after"
     rows = []
-    for name, phase, pub, src in (("z3 baseline", "fwd", 470, pr), ("z3 optimized", "fwd", 270, pr),
-                                  ("z3 baseline", "bwd", 900, pr), ("z3 optimized", "bwd", 670, pr),
-                                  ("z2", "fwd", 60, pr),
-                                  ("z3 baseline", "fwd", 300, cm), ("z3 optimized", "fwd", 200, cm),
-                                  ("z3 baseline", "bwd", 680, cm), ("z3 optimized", "bwd", 610, cm)):
+    for name, phase, pub, src in (("z3 0.5.10", "fwd", 270, pr), ("z3 0.5.10", "bwd", 670, pr),
+                                  ("z3 0.5.10", "fwd", 200, cm), ("z3 0.5.10", "bwd", 610, cm),
+                                  ("z2", "fwd", 60, "DeepSpeed PR 1188 text")):
         values = [phases[name, m, s][phase] for m, s in fit]
         rows.append(range_row("E2", f"{name} {phase} ({src})", setup(name), "ms", pub, values, E2E, note=fit_note))
+    # ZeRO-3 over ZeRO-2 in forward, point by point: 270 / 60 after the PR
+    ratios = [phases["z3 0.5.10", m, s]["fwd"] / phases["z2", m, s]["fwd"] for m, s in fit]
+    rows.append(range_row("E2", "z3 0.5.10 fwd / z2 fwd (270 / 60, after the PR)",
+                          setup("z3 0.5.10") + "; ZeRO-2 at the same point", "x", 270 / 60, ratios, E2E, note=fit_note))
     return rows
 
 
@@ -876,6 +890,12 @@ SKIPPED = [
             "allocate no activations, so no retries can appear in them"),
     Skipped("E2", "about 1.1 ms saved per all-gather of one layer",
             "a per-call host saving; commsim's phase times include it, but no per-call figure is defined the same way"),
+    Skipped("E2", "ZeRO-3 before PR 1188 (DeepSpeed 0.5.4): forward 470 / 300 ms, backward 900 / 680 ms, about "
+            "8x ZeRO-2's forward",
+            "0.5.4 is not modelled: its demand gathers took the per-parameter path with a torch.zeros fill, a "
+            "torch.cuda.synchronize() and the list all_gather (0.5.4 partition_parameters.py:835-880), and each "
+            "release copied torch.ones(1) from the host (a host sync per parameter, pp:728); no knob has these "
+            "(the seed's knobs are 0.5.10's differences from 0.6.0)"),
     Skipped("E5", "FSDP on 128 A100: 3760 / 1700 / 772 / 380 tokens/GPU/s",
             "not expressible until an FSDP2 generator exists (hybrid and full sharding)"),
 ]

@@ -6,7 +6,8 @@
     p.trace().to_dataframe()          # every op's start / end per rank and stream
 
 ``Scenario`` holds what the ``commsim predict`` flags hold, with the same defaults
-(the seed scenario: roberta-10b, 8 p4d nodes, ZeRO-3 optimized, micro-batch 16,
+(the seed scenario: roberta-10b, 8 p4d nodes, ZeRO-3 of today's DeepSpeed (preset
+``current``; ``baseline`` / ``optimized`` are DeepSpeed 0.5.10 / 0.6.0), micro-batch 16,
 sequence 512, bf16, layer-wise checkpointing).
 """
 
@@ -35,7 +36,7 @@ class Scenario:
     gpus_per_node: int | None = None  # None: the cluster's
     net: str | None = None  # None: the cluster's own fabric
     stage: int | None = None  # None: the config's, else 3
-    preset: str = "optimized"
+    preset: str = "current"  # DeepSpeed 0.19.8; "baseline" = 0.5.10, "optimized" = 0.6.0
     knobs: tuple[str, ...] = ()  # NAME=VALUE overrides
     ds_config: str | dict[str, Any] | None = None  # path or parsed JSON
     micro_batch: int | None = None  # None: the config's, else 16
@@ -105,6 +106,7 @@ def build_schedule(sc: Scenario):
     """(schedule, model description, step info) for a scenario that generates its schedule."""
     from commsim.strategies import World, generate
     from commsim.strategies.dsconfig import check_batch
+    from commsim.strategies.dsversions import apply_version_rules, version_of
     from commsim.strategies.knobs import knobs_from
 
     ds, where = _ds_config(sc)
@@ -123,15 +125,21 @@ def build_schedule(sc: Scenario):
         micro = 16  # the seed scenario
     md = describe_model(sc.model, micro, sc.seq, ds.param_dtype_bytes)
     knobs = knobs_from(sc.preset, list(sc.knobs))
+    version = version_of(sc.preset)
+    if ds.zero.stage == 3:
+        ds, notes = apply_version_rules(ds, version)
+        sc.warnings.extend(notes)
     schedule = generate(md, world, ds, knobs, checkpointing=sc.checkpointing, grad_accum=gas, preset=sc.preset,
-                        checkpoint_style=sc.checkpoint_style, costs=_host_costs(sc))
+                        checkpoint_style=sc.checkpoint_style, version=version,
+                        costs=_host_costs(sc, version.name if ds.zero.stage == 3 else "0.19.8"))
     info = step_info(md, world.size, sc.nodes, gas, sc.checkpointing, cluster.node.price_usd_per_hour)
-    return schedule, md, info, ds.precision
+    return schedule, md, info, ds.precision  # (the precision the release runs)
 
 
-def _host_costs(sc: Scenario):
-    """Host costs measured into the hardware profile, if it has them; else the defaults."""
-    from commsim.strategies.knobs import HostCosts, host_costs_from
+def _host_costs(sc: Scenario, version: str):
+    """A scenario's own host costs; else those measured into the hardware profile, over
+    the DeepSpeed release's (``version``); else None: the generator's defaults."""
+    from commsim.strategies.knobs import host_costs_for, host_costs_from
     from commsim.util.files import read_json
 
     if sc.host_costs is not None:
@@ -139,8 +147,8 @@ def _host_costs(sc: Scenario):
     if sc.hw_profile:
         obj = read_json(sc.hw_profile, CommsimInputError)
         if isinstance(obj, dict) and "host_costs" in obj:
-            return host_costs_from(obj["host_costs"], sc.hw_profile)
-    return HostCosts()
+            return host_costs_from(obj["host_costs"], sc.hw_profile, host_costs_for(version))
+    return None
 
 
 def describe_model(model: str, micro_batch: int, seq: int, dtype_bytes: int = 2):

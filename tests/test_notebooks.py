@@ -15,7 +15,7 @@ NB_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 SMALL = {
     "01_efa_vs_infiniband.ipynb": {"MODEL": "roberta-large", "NODES": 4},
     "02_ablation.ipynb": {"MODELS": ["roberta-base"], "NODES": 2},
-    "03_allocator_flushes.ipynb": {"SEEDS": 3, "MICRO_BATCHES": [20, 24]},
+    "03_allocator_flushes.ipynb": {"SEEDS": 3, "MICRO_BATCHES": [24, 28]},
     "04_predicted_vs_measured.ipynb": {"ROWS": ["small_z3_opt", "small_z2", "small_z3_baseline",
                                                 "small_z3_opt_slow_link", "small_z3_opt_fast_link"]},
     "05_tuning.ipynb": {"MODEL": "roberta-large", "NODES": 2,

@@ -53,11 +53,14 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ds-config", metavar="FILE",
                    help="DeepSpeed config JSON (default: ZeRO-3, bf16, DeepSpeed's defaults)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 3, or the config's)")
-    p.add_argument("--preset", default="optimized", help="knob preset: optimized (default) or baseline")
+    p.add_argument("--preset", default="current",
+                   help="DeepSpeed ZeRO-3 release: current (0.19.8, default), optimized (0.6.0, after the seed's "
+                        "changes) or baseline (0.5.10, before them)")
     p.add_argument("--knob", action="append", metavar="NAME=VALUE",
                    help="override one knob, e.g. --knob coalesced_collectives=false (repeatable); knobs: "
-                   "fine_grained_sync, precomputed_fetch, coalesced_collectives, flat_collectives, "
-                   "defragment_persistent, fused_grad_norm, debug_string_ops, max_outstanding_coalesced")
+                   "fine_grained_sync, precomputed_fetch, coalesced_collectives, flat_reduce_scatter, "
+                   "fused_grad_norm, fused_overflow_check, debug_string_ops, empty_gather_buffers, "
+                   "preallocated_reduce_buffers, max_outstanding_coalesced")
     p.add_argument("--micro-batch", type=positive_int,
                    help="sequences per GPU per micro-step (default: the config's, else 16)")
     p.add_argument("--seq", type=positive_int, default=512, help="sequence length (default 512)")

@@ -13,8 +13,9 @@ from commsim.ir.errors import CommsimInputError
 from commsim.ir.schedule import Schedule, ScheduleMeta
 from commsim.models.spec import ModelDescription
 from commsim.strategies.dsconfig import DeepSpeedConfig
+from commsim.strategies.dsversions import CURRENT, VERSIONS, DeepSpeedVersion
 from commsim.strategies.groups import per_rank_schedule
-from commsim.strategies.knobs import HostCosts, Knobs
+from commsim.strategies.knobs import PRESET_VERSIONS, HostCosts, Knobs, host_costs_for
 from commsim.strategies.zero3 import Zero3Lowering
 from commsim.strategies.zero12 import Zero12Lowering
 
@@ -37,15 +38,22 @@ class World:
 
 def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Knobs,
              checkpointing: bool = True, grad_accum: int = 1, costs: HostCosts | None = None,
-             preset: str = "", checkpoint_style: str = "reentrant") -> Schedule:
+             preset: str = "", checkpoint_style: str = "reentrant",
+             version: DeepSpeedVersion | None = None) -> Schedule:
+    """One step of ``md`` under ``ds`` on ``world``. ZeRO-3 follows ``version`` (by
+    default the release ``preset`` names, else the current one) with ``knobs``; host
+    costs default to that release's measured ones."""
     stage = ds.zero.stage
+    if version is None:
+        version = VERSIONS[PRESET_VERSIONS[preset]] if preset in PRESET_VERSIONS else CURRENT
     lowering = None
     if stage == 3:
-        lowering = Zero3Lowering(md, world.size, ds, knobs, costs or HostCosts(), checkpointing, grad_accum,
-                                 checkpoint_style, world.gpus_per_node)
+        costs = costs or host_costs_for(version.name)
+        lowering = Zero3Lowering(md, world.size, ds, knobs, costs, checkpointing, grad_accum,
+                                 checkpoint_style, world.gpus_per_node, version)
         program = lowering.program()
-    else:  # the ZeRO-3 knobs have nothing to act on in stages 0-2
-        program = Zero12Lowering(md, world.size, ds, costs or HostCosts(), checkpointing, grad_accum,
+    else:  # the ZeRO-3 knobs have nothing to act on in stages 0-2, which follow 0.19
+        program = Zero12Lowering(md, world.size, ds, costs or host_costs_for(CURRENT.name), checkpointing, grad_accum,
                                  checkpoint_style).program()
     z = ds.zero
     meta = ScheduleMeta(
@@ -65,7 +73,7 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
             ("stage3_param_persistence_threshold", z.param_persistence_threshold),
             ("offload_optimizer.device", z.offload_optimizer.device),
             ("zero_hpz_partition_size", z.zero_hpz_partition_size), ("mics_shard_size", z.mics_shard_size),
-            ("optimizer", ds.optimizer_impl),
+            ("optimizer", ds.optimizer_impl), ("deepspeed", version.name if stage == 3 else CURRENT.name),
         ),
         nodes=world.nodes,
         gpus_per_node=world.gpus_per_node,

@@ -1,9 +1,17 @@
-"""The 2022 ZeRO-3 optimisations as independent knobs, and the host-cost table.
+"""The seed's ZeRO-3 changes as independent knobs, the presets, and the host-cost table.
 
-Each knob switches one mechanism of reference/deepspeed-zero3.md ("The 2022
-optimizations"); ``baseline`` is DeepSpeed ZeRO-3 of late 2021, ``optimized`` the
-state after the two upstream changes (late 2021, January 2022). The presets differ in
-exactly these fields.
+Each knob switches one mechanism that DeepSpeed 0.5.10 (late 2021) and 0.6.0 (early
+2022, after the seed team's changes) implement differently; the comment above each
+says what each side does, with file:line in the released sources
+(``s3`` = deepspeed/runtime/zero/stage3.py, ``pp`` = .../partition_parameters.py,
+``cc`` = deepspeed/runtime/comm/coalesced_collectives.py; docs/deepspeed-versions.md
+has the whole table). True is 0.6.0's side.
+
+A preset is a DeepSpeed version (``commsim.strategies.dsversions``: what differs
+between versions but is not one of the seed's changes, such as the persistence rule)
+plus the knobs: ``baseline`` = 0.5.10, ``optimized`` = 0.6.0, ``current`` = 0.19.8
+(what today's users run; the fidelity tests record it). ``optimized`` and ``current``
+set every knob the same way.
 """
 
 from __future__ import annotations
@@ -15,48 +23,92 @@ from commsim.ir.errors import CommsimInputError
 
 @dataclass(frozen=True, slots=True)
 class Knobs:
-    # Compute waits on the all-gather stream's events; off: the host synchronises the
-    # whole device after every all-gather (compute then waits on the host).
+    # Fetch synchronisation. 0.6.0: one event per waited in-flight parameter, the host
+    # blocking only on the oldest beyond max_outstanding_coalesced, and the compute
+    # stream's wait_stream on the all-gather stream (s3:316-335). 0.5.10: the host
+    # synchronises the whole device before launching each prefetched all-gather
+    # (pp:882), after a demand gather (pp:984), and, at a fetch that needs an in-flight
+    # or unavailable parameter, the all-gather stream and then the device (s3:534-545).
     fine_grained_sync: bool = True
-    # Fetch / prefetch / release decided from a precomputed queue; off: Python walks
-    # the parameter trace for every submodule every step (host time per parameter).
+    # Prefetch and release decisions. 0.6.0: at every fetch, prefetch pops a queue built
+    # from the trace recorded in the first step (s3:345-380), and a parameter is kept
+    # when it is used again within max_reuse_distance (s3:444-466). 0.5.10: its
+    # PrefetchCoordinator records the trace one position off the step counter it reads
+    # it with (the root module's reset_step hook, s3:1364-1377, runs after the root's
+    # own fetch hook, registered first, s3:1397-1509), so at every later position it
+    # finds another module and neither prefetches (s3:220-225) nor keeps a parameter for
+    # reuse (s3:254-258): every weight is gathered on demand at every use.
     precomputed_fetch: bool = True
-    # One coalesced all-gather per fetch and one reduce-scatter per gradient bucket;
-    # off: one collective per parameter / gradient.
+    # 0.6.0: one all-gather per fetch and per prefetch batch (pp:813-890) and one
+    # reduce-scatter per gradient bucket (cc:41-116). 0.5.10: one _all_gather_base per
+    # parameter (pp:860-917, 919-986) and one reduce_scatter per gradient (pp:1050-1119).
     coalesced_collectives: bool = True
-    # *_base / into_tensor collectives on pre-flattened buffers; off: each collective
-    # flattens into an extra buffer (an allocation and a device copy).
-    flat_collectives: bool = True
-    # Persistent parameters moved into one contiguous buffer at init; off: one small
-    # allocation each (fragments the caching allocator's pools).
-    defragment_persistent: bool = True
-    # Gradient norm from stacked per-parameter norms with one reduction; off: one
-    # .item() (device->host copy and host sync) per parameter.
+    # 0.6.0: _reduce_scatter_base on the interleaved flat buffer (cc:16-23). 0.5.10:
+    # the list-API reduce_scatter (pp:1114-1117), whose input list ProcessGroupNCCL
+    # flattens into a new buffer with a copy. (All-gathers are _all_gather_base in both
+    # since DeepSpeed PR 1188: pp:893-898 in 0.5.10, pp:853-857 in 0.6.0.)
+    flat_reduce_scatter: bool = True
+    # 0.6.0: per-parameter fp64 norms stacked, one sum, one host read (s3:2291-2309).
+    # 0.5.10: each parameter's norm read with .item() before the next (s3:2443-2450).
     fused_grad_norm: bool = True
-    # Tensor ops inside debug-string formatting: a norm, device->host copy and host
-    # sync per fetched submodule. On in the baseline.
+    # 0.6.0: an inf/nan tracker updated on the reduce stream as each gradient shard is
+    # stored (s3:2003-2010), read once in step() (s3:2729-2731). 0.5.10: per parameter
+    # x.float().sum() read with float() (s3:2852-2857, 2892-2910): a cast, a sum, a
+    # device->host copy and a host sync each.
+    fused_overflow_check: bool = True
+    # 0.5.10 formats f"... norm={param.norm()}" for every parameter of every fetched
+    # module (s3:454-458): a norm kernel over the gathered parameter and, formatting the
+    # 0-d tensor, an .item() (device->host copy, host sync) each, though nothing is
+    # printed. 0.6.0's debug strings hold metadata only.
     debug_string_ops: bool = False
-    # Host blocks on the oldest fetch / reduce event when more than this many are
-    # outstanding; 0: unbounded.
+    # 0.6.0: gather buffers from torch.empty (pp:847, 865). 0.5.10: torch.zeros for
+    # every prefetched parameter (pp:875): a memset of the gathered size on the
+    # all-gather stream before its all-gather.
+    empty_gather_buffers: bool = True
+    # 0.6.0: the gradient bucket and the gradient partition allocated once (s3:777-801);
+    # each gradient copied into the bucket on the reduce stream after a wait on the
+    # compute stream (s3:1823-1836); the shard stored as soon as it is reduced
+    # (s3:1970-2045). 0.5.10: one (two with overlap_comm) reduce_bucket_size buffers
+    # made with torch.empty in every backward (s3:2929-2942) and dropped at its end
+    # (s3:1565-1571); the partition made with torch.zeros at the first flush of each
+    # step (s3:2063-2083); the copy into the bucket on the compute stream (s3:1903-1911);
+    # the whole bucket buffer divided by the world size at every flush however full
+    # (s3:1950-1951); shards copied a flush late on a third stream (s3:2092-2147).
+    preallocated_reduce_buffers: bool = True
+    # How many earlier fetch / reduce events may be outstanding before the host blocks
+    # on the oldest: 2 in 0.6.0 (s3:238, 321-326, 808, 1857-1860). 0 = the host waits
+    # for all earlier work first: 0.5.10 synchronises the reduction stream at every
+    # bucket flush (s3:2159-2160, 2092-2093), so one bucket at most is in flight (its
+    # fetches are host-synchronous through fine_grained_sync).
     max_outstanding_coalesced: int = 2
 
     def as_pairs(self) -> tuple[tuple[str, bool | int], ...]:
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
 
 
-KNOB_PRESETS: dict[str, Knobs] = {
-    "optimized": Knobs(),
-    "baseline": Knobs(
-        fine_grained_sync=False,
-        precomputed_fetch=False,
-        coalesced_collectives=False,
-        flat_collectives=False,
-        defragment_persistent=False,
-        fused_grad_norm=False,
-        debug_string_ops=True,
-        max_outstanding_coalesced=0,
-    ),
-}
+# 0.6.0's side of every knob; 0.19.8 kept all of them.
+_AFTER = Knobs()
+_BEFORE = Knobs(
+    fine_grained_sync=False,
+    precomputed_fetch=False,
+    coalesced_collectives=False,
+    flat_reduce_scatter=False,
+    fused_grad_norm=False,
+    fused_overflow_check=False,
+    debug_string_ops=True,
+    empty_gather_buffers=False,
+    preallocated_reduce_buffers=False,
+    max_outstanding_coalesced=0,
+)
+
+# preset -> (DeepSpeed version it models, knobs)
+PRESET_VERSIONS: dict[str, str] = {"current": "0.19.8", "optimized": "0.6.0", "baseline": "0.5.10"}
+KNOB_PRESETS: dict[str, Knobs] = {"current": _AFTER, "optimized": _AFTER, "baseline": _BEFORE}
+DEFAULT_PRESET = "current"
+
+# knob names of the releases before 0.6.0's changes were modelled one by one: the old
+# flat_collectives flattened both collectives; 0.5.10 flattens only the reduce-scatter
+_RENAMED = {"flat_collectives": "flat_reduce_scatter"}
 
 
 def knobs_from(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Knobs:
@@ -67,6 +119,12 @@ def knobs_from(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Knob
     names = {f.name: f for f in fields(Knobs)}
     for item in overrides:
         name, eq, raw = item.partition("=")
+        if name in _RENAMED:
+            raise CommsimInputError(f"--knob {item!r}: {name} is now {_RENAMED[name]} (DeepSpeed 0.5.10 already "
+                                    "used _all_gather_base; only its reduce-scatter flattened a list)")
+        if name == "defragment_persistent":
+            raise CommsimInputError(f"--knob {item!r}: removed: neither DeepSpeed 0.5.10 nor 0.6.0 keeps persistent "
+                                    "parameters in a contiguous buffer (both defragment only the shards, at init)")
         if not eq or name not in names:
             raise CommsimInputError(f"--knob {item!r}: expected NAME=VALUE with NAME one of {', '.join(names)}")
         if isinstance(getattr(knobs, name), bool):
@@ -86,26 +144,43 @@ def knobs_from(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> Knob
 
 @dataclass(frozen=True, slots=True)
 class HostCosts:
-    """Host (Python) time per action, in ns.
+    """Host (Python) time per action on a p4d.24xlarge host, in ns.
 
-    These are first estimates with their reasoning; ``commsim calibrate
-    --deepspeed-host-costs`` measures the hook costs of the real DeepSpeed on the user's
-    machine, and a profile carrying them replaces these (``host_costs_from``).
+    The DeepSpeed figures are each release's own routines timed on a CPU with their
+    device calls replaced by no-ops (runtime/ds_host_costs.py; the table, machine and
+    date are in traces/README.md), at two world sizes so that the loops over ranks
+    scale (``*_rank_ns``: per rank of the partition group), times ds_host_costs.CPU_SCALE for
+    the p4d host's CPU. Kernel and collective launches add a cited CUDA figure to the
+    PyTorch / c10d dispatch measured the same way. ``HOST_COSTS`` holds one set per
+    DeepSpeed release; the defaults here are 0.19.8's.
     """
 
-    # Eager PyTorch dispatch + CUDA launch of one kernel: about 5-10 us on a modern
-    # CPU (PyTorch dispatcher overhead; NVIDIA's launch latency about 5 us).
-    launch_ns: int = 6_000
-    # A collective call through torch.distributed (argument checks, work object).
-    collective_launch_ns: int = 20_000
-    # DeepSpeed's pre/post-forward and backward hooks per submodule (Python).
-    module_hook_ns: int = 30_000
-    # DeepSpeed's per-parameter gradient hook / reduction bookkeeping (Python).
-    grad_hook_ns: int = 10_000
-    # Baseline fetch decision: Python work per parameter of the trace it examines.
-    fetch_decision_per_param_ns: int = 2_000
-    # Formatting a debug string with tensor ops (beyond the device sync it forces).
-    debug_string_ns: int = 20_000
+    # One kernel launched from PyTorch eager mode (launch_ns) and one collective call
+    # through torch.distributed (collective_launch_ns).
+    launch_ns: int = 6_400
+    collective_launch_ns: int = 14_000
+    # A module's pre-forward / pre-backward hook (fetch): fixed, per parameter it
+    # visits, per parameter it starts gathering, per parameter whose gather it completes.
+    module_hook_ns: int = 26_300
+    fetch_param_ns: int = 0
+    gather_param_ns: int = 23_400
+    gather_param_rank_ns: int = 300
+    wait_param_ns: int = 26_900
+    wait_param_rank_ns: int = 1_000
+    # A module's post-forward / post-backward hook (release): fixed, per parameter it
+    # visits, per parameter it frees.
+    release_hook_ns: int = 20_600
+    release_param_ns: int = 2_500
+    free_param_ns: int = 41_600
+    # The per-parameter gradient hook (bucket bookkeeping, the copy call).
+    grad_hook_ns: int = 23_300
+    # A bucket flush: fixed, and per gradient in it (its loops over the ranks).
+    reduce_flush_ns: int = 246_400
+    reduce_param_ns: int = 14_200
+    reduce_param_rank_ns: int = 2_900
+    # Formatting one 0.5.10 debug string around a tensor op's result, beyond the op's
+    # launch and the host sync its .item() forces (debug_string_ops).
+    debug_string_ns: int = 0
     # CPU Adam (offload_optimizer: cpu), per fp32 parameter of this rank's partition, in
     # picoseconds. DeepSpeedCPUAdam is memory-bound: it reads param, grad, exp_avg,
     # exp_avg_sq (16 B) and writes param, exp_avg, exp_avg_sq and the 16-bit copy (14 B).
@@ -114,19 +189,56 @@ class HostCosts:
     # rank, so 30 B take about 1.2 ns.
     cpu_adam_ps_per_param: int = 1_200
 
+    def gather_ns(self, n_params: int, ranks: int) -> int:
+        return n_params * (self.gather_param_ns + self.gather_param_rank_ns * ranks)
 
-def host_costs_from(obj: object, where: str) -> HostCosts:
-    """HostCosts from a profile's ``host_costs`` object (unknown keys refused)."""
+    def wait_ns(self, n_params: int, ranks: int) -> int:
+        return n_params * (self.wait_param_ns + self.wait_param_rank_ns * ranks)
+
+    def flush_ns(self, n_grads: int, ranks: int) -> int:
+        return self.reduce_flush_ns + n_grads * (self.reduce_param_ns + self.reduce_param_rank_ns * ranks)
+
+
+# DeepSpeed release -> its host costs: traces/host-costs/derived.json, fitted by
+# ``python -m runtime.ds_host_costs --derive traces/host-costs/*.json`` from the six
+# measurements beside it (each release at 8 and 64 ranks, on an AMD EPYC Zen 4 VM
+# core, 2026-11-30; the table is in traces/README.md), times CPU_SCALE = 1.0 (no
+# single-thread benchmark of that CPU and the p4d's Xeon 8275CL was at hand: see
+# runtime/ds_host_costs.py). The launches (the same PyTorch for all three: the mean
+# of the six runs) add cudaLaunchKernel's 3.8 us (NVIDIA Developer Blog, "Getting
+# Started with CUDA Graphs", 2019) to a PyTorch op's dispatch (2.5-2.7 us) and to a
+# c10d all_gather call (9.9-10.8 us, its fake backend at 8 ranks) measured here.
+# 0.19.8's are the dataclass defaults.
+HOST_COSTS: dict[str, HostCosts] = {
+    "0.19.8": HostCosts(),
+    "0.6.0": HostCosts(module_hook_ns=35_900, fetch_param_ns=1_800, gather_param_ns=44_100,
+                       gather_param_rank_ns=200, wait_param_ns=33_400, wait_param_rank_ns=1_200,
+                       release_hook_ns=13_900, release_param_ns=1_500, free_param_ns=40_800, grad_hook_ns=26_000,
+                       reduce_flush_ns=0, reduce_param_ns=23_600, reduce_param_rank_ns=3_400),
+    "0.5.10": HostCosts(module_hook_ns=16_400, fetch_param_ns=7_500, gather_param_ns=38_200, gather_param_rank_ns=0,
+                        wait_param_ns=0, wait_param_rank_ns=0, release_hook_ns=4_900, release_param_ns=5_200,
+                        free_param_ns=20_600, grad_hook_ns=16_400, reduce_flush_ns=428_400, reduce_param_ns=8_000,
+                        reduce_param_rank_ns=2_100, debug_string_ns=3_500),
+}
+
+
+def host_costs_for(version: str) -> HostCosts:
+    return HOST_COSTS[version]
+
+
+def host_costs_from(obj: object, where: str, base: HostCosts | None = None) -> HostCosts:
+    """HostCosts from a profile's ``host_costs`` object (unknown keys refused), over
+    ``base`` (the preset's version's costs; the current version's by default)."""
     if not isinstance(obj, dict):
         raise CommsimInputError(f"{where}: host_costs must be an object of name: ns")
     names = {f.name for f in fields(HostCosts)}
     values = {}
     for k, v in obj.items():
-        if k in ("source",):
+        if k in ("source", "deepspeed"):
             continue
         if k not in names:
             raise CommsimInputError(f"{where}: host_costs.{k}: unknown; allowed: {', '.join(sorted(names))}")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise CommsimInputError(f"{where}: host_costs.{k}: must be a number of ns >= 0, got {v!r}")
         values[k] = int(v)
-    return replace(HostCosts(), **values)
+    return replace(base or HostCosts(), **values)

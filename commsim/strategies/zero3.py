@@ -1,8 +1,9 @@
 """ZeRO stage 3 lowered to IR, following DeepSpeed's engine through one training step.
 
 Models the steady state (the parameter trace is complete, so prefetching is on) of
-deepspeed/runtime/zero/ (0.19.x), as summarised in reference/deepspeed-zero3.md, in
-parts that each model one piece of DeepSpeed:
+deepspeed/runtime/zero/ (0.19.x, as summarised in reference/deepspeed-zero3.md, and
+the releases of the seed story, 0.5.10 and 0.6.0: dsversions.py, knobs.py), in parts
+that each model one piece of DeepSpeed:
 
 * zero3_trace.py: the order in which the module hooks fire (forward, recompute of
   checkpointed layers, backward);
@@ -32,6 +33,7 @@ from commsim.ir.ops import Phase
 from commsim.models.spec import Kernel, ModelDescription, ModuleSpec
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import DeepSpeedConfig
+from commsim.strategies.dsversions import CURRENT, DeepSpeedVersion
 from commsim.strategies.groups import check_hierarchy, rank_groups
 from commsim.strategies.knobs import HostCosts, Knobs
 from commsim.strategies.zero3_grads import GradReducer
@@ -49,7 +51,7 @@ class Zero3Lowering:
 
     def __init__(self, md: ModelDescription, world_size: int, ds: DeepSpeedConfig, knobs: Knobs,
                  costs: HostCosts, checkpointing: bool, grad_accum: int, checkpoint_style: str = "reentrant",
-                 gpus_per_node: int | None = None):
+                 gpus_per_node: int | None = None, version: DeepSpeedVersion = CURRENT):
         z = ds.zero
         if z.offload_param.device != "none" or z.offload_optimizer.device not in ("none", "cpu"):
             raise CommsimInputError("ds_config: zero_optimization: only offload_optimizer to cpu is modelled")
@@ -57,7 +59,7 @@ class Zero3Lowering:
         hpz = z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else 1
         check_hierarchy(world_size, gpn, hpz, z.mics_shard_size, ds.source,
                         hierarchical=z.mics_hierarchical_params_gather)
-        self.md, self.costs = md, costs
+        self.md, self.costs, self.version = md, costs, version
         self.checkpointing, self.grad_accum = checkpointing, grad_accum
         # each rank's groups: generate() relabels rank 0's program with them
         self.groups_of = lambda r: rank_groups(r, world_size, gpn, hpz, z.mics_shard_size,
@@ -67,9 +69,10 @@ class Zero3Lowering:
                                         _DTYPES[ds.precision], z.overlap_comm,
                                         z.offload_optimizer.device == "cpu", hpz)
         self.trace = module_trace(md, checkpointing, checkpoint_style)
-        self.coord = ParamCoordinator(self.b, self.layout, z, knobs, costs, self.trace)
-        self.grads = GradReducer(self.b, self.layout, z, knobs, costs, self.trace)
-        self.optimizer = Zero3OptimizerStep(self.b, self.layout, ds, knobs, costs, self.coord)
+        self.coord = ParamCoordinator(self.b, self.layout, z, knobs, costs, self.trace, version)
+        self.optimizer = Zero3OptimizerStep(self.b, self.layout, ds, knobs, costs, self.coord, version)
+        self.grads = GradReducer(self.b, self.layout, z, knobs, costs, self.trace, version,
+                                 self.optimizer.sub_group_elems())
         # each checkpointed layer's first module: it allocates the kept layer input
         self.block_first: dict[int, str] = {}
         for m in md.modules:
@@ -87,13 +90,19 @@ class Zero3Lowering:
             mb = f"mb{micro}." if self.grad_accum > 1 else ""
             self.coord.reset_micro_step()
             self.grads.reset_micro_step(at_boundary=micro == self.grad_accum - 1)
+            in_backward = False
             for i, e in enumerate(self.trace):
                 b.phase = e.phase
+                if e.phase is not Phase.FORWARD and not in_backward:
+                    in_backward = True  # engine.backward: the optimizer's backward() begins
+                    self.grads.begin_backward()
                 deps = self.coord.fetch(i, e) if e.fetch else ()
                 if e.run:
                     self._run_module(mb, e, deps)
                 if e.release:
                     self.coord.release(i + 1, e)
+            if self.version.release_all_after_backward:
+                self.coord.release_all()  # 0.5.10 s3:2948, before the epilogue
             self.grads.epilogue()
         self.optimizer.step()
         return b.program()

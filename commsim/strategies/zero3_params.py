@@ -1,38 +1,54 @@
 """DeepSpeed ZeRO-3's parameter coordinator: which parameters are gathered, when, how.
 
-Models deepspeed/runtime/zero/partitioned_param_coordinator.py (0.19.x, as summarised
-in reference/deepspeed-zero3.md) in the steady state, where the trace is complete
-and prefetching is on:
+Models the steady state (the trace is complete, so prefetching is on) of three
+releases: 0.19.8's partitioned_param_coordinator.py (as summarised in
+reference/deepspeed-zero3.md), 0.6.0's coordinator in stage3.py (s3:172-493), which
+0.19.8's grew from, and 0.5.10's (s3:157-543 with partition_parameters.py, ``pp``).
+The seed's changes between 0.5.10 and 0.6.0 are knobs (knobs.py); the other release
+differences are ``DeepSpeedVersion`` behaviours (dsversions.py).
 
-* persistence (parameter_offload.py): parameters of at most
-  ``stage3_param_persistence_threshold`` elements, up to
-  ``stage3_model_persistence_threshold`` / partition size in all, stay gathered the
-  whole step; with ``defragment_persistent`` in one contiguous buffer;
-* fetch of a submodule (``fetch_sub_module``): one coalesced all-gather of its
-  parameters that are not available, on the all-gather stream; waiting on in-flight
-  parameters records an event and blocks the host on the oldest when more than
-  ``max_outstanding_coalesced`` are outstanding; then the compute stream waits on the
-  whole all-gather stream;
-* prefetch: pop this module's entries from the parameter queue, then walk the queue
-  up to min(max_live - available numel, prefetch bucket) elements, gathering the
-  parameters not yet available in one more coalesced call;
-* the gather itself (partition_parameters.py ``_all_gather_params`` and its coalesced
-  path): a flat output buffer for more than one parameter, unflattened into each
-  parameter's storage on wait; without ``flat_collectives`` an extra flatten buffer
-  and copy; hpZ parameters with a secondary shard gather inside the secondary group
-  first; MiCS hierarchical gathers run across nodes, then inside the node (mics.py
-  ``_hierarchical_all_gather_params``);
-* release after use (``release_sub_module``) unless persistent, prefetched for a later
-  use, still used by an open module (``ds_active_sub_modules``), or used again within
-  ``max_reuse_distance`` elements of upcoming trace; releasing under hpZ keeps a
+* persistence: parameters below ``stage3_param_persistence_threshold`` elements
+  (``<=`` from 0.19, which also has a model-wide budget per partition) stay gathered
+  until the step releases everything; each has its own storage, released and
+  re-gathered every step (no release defragments them: 0.5.10 and 0.6.0 flatten only
+  the shards, at init);
+* fetch of a submodule: its parameters that are not available are all-gathered on the
+  all-gather stream, one coalesced call or (``coalesced_collectives`` off) one per
+  parameter. Then, with ``fine_grained_sync`` (0.6.0 on), each in-flight parameter is
+  waited with an event, the host blocking on the oldest beyond
+  ``max_outstanding_coalesced``, and the compute stream waits on the all-gather
+  stream; without it (0.5.10), the demand gathers end with a device-wide synchronize
+  and a fetch needing an in-flight or unavailable parameter synchronises the
+  all-gather stream and then the device, completing every prefetch in flight;
+* ``debug_string_ops`` (0.5.10): a norm of every parameter of the fetched module,
+  read by the host;
+* prefetch: with ``precomputed_fetch`` (0.6.0), pop this module's entries from the
+  parameter queue, then pop up to min(max_live - available, prefetch bucket)
+  elements, gathering those not available in one more call; without it (0.5.10),
+  only when no prefetch is in flight, walk the module trace from here collecting
+  unavailable parameters until the bucket is reached, each gathered into a zero-filled
+  buffer (``empty_gather_buffers`` off) after a device-wide synchronize;
+* the gather itself: a flat output for more than one parameter, copied into each
+  parameter's storage on wait; hpZ parameters with a secondary shard gather inside the
+  secondary group first; MiCS hierarchical gathers run across nodes, then inside the
+  node (mics.py ``_hierarchical_all_gather_params``);
+* release after use unless persistent, still used by an open module
+  (``ds_active_sub_modules``), or used again within ``max_reuse_distance`` elements
+  (0.6.0, and 0.19.8, which also keeps parameters whose later use the prefetcher
+  already passed; never in 0.5.10, see ``release``); releasing under hpZ keeps a
   secondary shard (``_partition_param_sec``) until the optimizer step invalidates it;
-* around the optimizer step: everything released (``release_and_reset_all``), the
-  persistent parameters re-gathered synchronously afterwards.
+* everything released at the end of each backward (0.5.10) or before the optimizer
+  step, the persistent parameters re-gathered after it: one all-gather each on the
+  default stream, then a device-wide synchronize (pp:919-986 / pp:1245-1312 /
+  0.19.8's ``_allgather_params_coalesced``).
+
+Host time: each hook's fixed and per-parameter Python and the gathers' and releases'
+per-parameter Python, from ``HostCosts`` (measured per release).
 
 State: each parameter's status, in-flight handles, hpZ secondary shards, outstanding
 fetch events and the all-gather count live for the whole step (the constructor makes
 them); the parameter queue, the modules holding each parameter, each parameter's most
-recent use and the available numel are reset per forward + backward
+recent use and (0.6.0 on) the available numel are reset per forward + backward
 (``reset_micro_step``, DeepSpeed's ``reset_step``).
 """
 
@@ -45,6 +61,7 @@ from commsim.ir import ops as O
 from commsim.models.spec import ParamSpec
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import ZeroConfig
+from commsim.strategies.dsversions import CURRENT, DeepSpeedVersion
 from commsim.strategies.knobs import HostCosts, Knobs
 from commsim.strategies.zero3_layout import COMPUTE, Zero3Layout
 from commsim.strategies.zero3_trace import TraceEntry
@@ -63,13 +80,15 @@ class _Handle:
 
 
 def persistent_params(params: tuple[ParamSpec, ...], threshold: int, model_threshold: int,
-                      n_part: int) -> frozenset[str]:
-    """Parameters small enough to stay gathered, in ds_id order until the model-wide
-    budget (counted per partition rank) is spent."""
+                      n_part: int, inclusive: bool = True) -> frozenset[str]:
+    """Parameters small enough to stay gathered: at most ``threshold`` elements
+    (``inclusive``, 0.19.8) or fewer (0.5.10, 0.6.0), in ds_id order until the
+    model-wide budget (counted per partition rank) is spent."""
     budget = model_threshold // n_part
     out, used = set(), 0
     for p in params:
-        if p.numel <= threshold and used + p.numel <= budget:
+        small = p.numel <= threshold if inclusive else p.numel < threshold
+        if small and used + p.numel <= budget:
             out.add(p.name)
             used += p.numel
     return frozenset(out)
@@ -79,10 +98,12 @@ class ParamCoordinator:
     """Fetch, prefetch and release of one rank's parameters over one step."""
 
     def __init__(self, b: ProgramBuilder, layout: Zero3Layout, z: ZeroConfig, knobs: Knobs, costs: HostCosts,
-                 trace: list[TraceEntry]):
+                 trace: list[TraceEntry], version: DeepSpeedVersion = CURRENT):
         self.b, self.layout, self.z, self.knobs, self.costs, self.trace = b, layout, z, knobs, costs, trace
-        self.persistent = persistent_params(layout.params, z.param_persistence_threshold,
-                                            z.model_persistence_threshold, layout.n_part)
+        self.version = version
+        cap = z.model_persistence_threshold if version.model_persistence_cap else 2**63
+        self.persistent = persistent_params(layout.params, z.param_persistence_threshold, cap, layout.n_part,
+                                            inclusive=version.persistence_inclusive)
         # the recorded trace's parameter order (DeepSpeed's __param_order): (name, position)
         # for each parameter of each hook call, a module's parameters by ds_id
         self.param_order = tuple((p.name, i) for i, e in enumerate(trace) if e.fetch
@@ -93,14 +114,15 @@ class ParamCoordinator:
         self.secondary: set[str] = set()  # hpZ: parameters holding a secondary shard
         self.fetch_events: list[O.OpId] = []
         self.n_ag = 0
+        self.n_available = 0
         # per forward + backward (reset_micro_step)
         self.queue: deque[tuple[str, int]] = deque()
         self.holders: dict[str, set[str]] = {}  # modules whose fetch holds a parameter
         self.most_recent: dict[str, int] = {}  # trace position a parameter was last fetched for
-        self.n_available = 0
 
     def reset_micro_step(self) -> None:
-        """reset_step: queue from the recorded trace, nothing counted available."""
+        """reset_step: queue from the recorded trace (0.6.0 on: s3:261-286; 0.5.10 resets
+        only its step counter, s3:206-207)."""
         self.queue = deque(self.param_order)
         self.holders = {p.name: set() for p in self.layout.params}
         self.most_recent = {p.name: -10**10 for p in self.layout.params}
@@ -109,17 +131,12 @@ class ParamCoordinator:
     def emit_setup(self) -> None:
         """The persistent parameters' storage, gathered before the step."""
         lay = self.layout
-        pers = [p for p in lay.params if p.name in self.persistent]
-        if pers and self.knobs.defragment_persistent:
-            self.b.setup_alloc("persistent", sum(p.numel for p in pers) * lay.dt, "persistent parameters (contiguous)")
-        else:
-            for p in pers:
+        for p in lay.params:
+            if p.name in self.persistent:
                 self.b.setup_alloc(self.pbuf(p), lay.part[p.name] * lay.n_part * lay.dt, f"persistent {p.name}")
 
     def pbuf(self, p: ParamSpec) -> str:
         """The buffer holding ``p`` gathered."""
-        if p.name in self.persistent and self.knobs.defragment_persistent:
-            return "persistent"
         return f"param:{p.name}"
 
     # ------------------------------------------------------------ fetch / prefetch
@@ -128,73 +145,132 @@ class ParamCoordinator:
         the module's first kernel needs."""
         b, c, lay = self.b, self.costs, self.layout
         m = e.module
-        b.host(f"hook {m.path}", O.HostKind.MODULE_HOOK, c.module_hook_ns)
         params = lay.unique_in_ds_order(m.params)
+        b.host(f"hook {m.path}", O.HostKind.MODULE_HOOK, c.module_hook_ns + c.fetch_param_ns * len(params))
         for p in params:
             self.holders[p.name].add(m.path)
-        examined = len(params)
+        if self.knobs.fine_grained_sync:
+            deps = self._fetch_with_events(params)
+        else:
+            deps = self._fetch_host_synchronised(params)
+        if self.knobs.debug_string_ops:
+            self._debug_norms(m.path, params, deps)
+        if self.knobs.precomputed_fetch:
+            self._prefetch_from_queue(i, m.path, params)
+        # 0.5.10's PrefetchCoordinator never prefetches in the steady state: its trace is
+        # recorded one position off the step counter it is read with (the root module's
+        # reset_step hook, s3:1364-1377, runs after the root's own fetch hook, registered
+        # first by _register_hooks_recursively, s3:1397-1509), so get_params_to_prefetch
+        # finds another module at every position but the first and returns nothing
+        # (s3:220-225). Its Python still runs: it is in the fetch hook's measured cost.
+        return deps
+
+    def _fetch_with_events(self, params: list[ParamSpec]) -> tuple[O.OpId, ...]:
+        """0.6.0 s3:308-335 (0.19.8 ppc:364-415): gather what is missing, wait on each
+        in-flight parameter, then the compute stream waits on the all-gather stream."""
+        lay = self.layout
         self._all_gather(params, "fetch")
         for p in params:
             if self.status[p.name] == INFLIGHT:
                 self._wait(p)
-        deps = b.wait_stream(lay.ag_stream) if self.knobs.fine_grained_sync and lay.ag_stream != COMPUTE else ()
-        examined += self._prefetch(i, m.path, params)
-        if not self.knobs.precomputed_fetch:
-            b.host(f"fetch decisions {m.path}", O.HostKind.PYTHON, c.fetch_decision_per_param_ns * max(examined, 1))
-        if self.knobs.debug_string_ops and params:
-            b.host("debug string", O.HostKind.DEBUG, c.debug_string_ns)
-            norm = b.compute(COMPUTE, f"{m.path}.debug_norm", O.ComputeKind.ELEMENTWISE, sum(p.numel for p in params),
-                             sum(p.numel for p in params) * lay.dt, 4, deps=deps,
-                             buffers=tuple(dict.fromkeys(self.pbuf(p) for p in params)))
-            cp = b.copy(COMPUTE, f"{m.path}.debug_item", O.CopyDirection.D2H, 4, deps=(norm,))
-            b.sync_ops((cp,), "debug string .item()")
-        return deps
+        return self.b.wait_stream(lay.ag_stream) if lay.ag_stream != COMPUTE else ()
 
-    def _prefetch(self, i: int, path: str, params: list[ParamSpec]) -> int:
-        """Pop this fetch's own queue entries, then gather ahead along the queue. Returns
-        the queue entries examined beyond this module's own."""
+    def _fetch_host_synchronised(self, params: list[ParamSpec]) -> tuple[O.OpId, ...]:
+        """0.5.10 fetch_sub_module (s3:398-459): the missing parameters gathered and the
+        device synchronised (``_allgather_params_coalesced``, pp:974-984); then, if any
+        parameter was missing or in flight, ``_synchronize_communication`` (s3:534-545):
+        every in-flight handle waited, the all-gather stream and the whole device
+        synchronised. Nothing else orders the module's kernels after the gathers."""
+        b, lay = self.b, self.layout
+        need = [p for p in params if self.status[p.name] == NA]
+        in_flight = any(self.status[p.name] == INFLIGHT for p in params)
+        if need:
+            self._all_gather(need, "fetch")
+            b.sync_device("demand all-gather: torch.cuda.synchronize() (pp:984)")
+        if not (need or in_flight):
+            return ()
+        b.sync_stream(lay.ag_stream, "fetch: all-gather stream synchronize (s3:541)")
+        b.sync_device("fetch: torch.cuda.synchronize() (s3:542)")
+        copied = False
+        for name in [n for n, st in self.status.items() if st == INFLIGHT]:
+            copied |= self._complete(name)
+        # a coalesced gather's copy into the parameters runs after the synchronize
+        return b.wait_stream(lay.ag_stream) if copied and lay.ag_stream != COMPUTE else ()
+
+    def _debug_norms(self, path: str, params: list[ParamSpec], deps: tuple[O.OpId, ...]) -> None:
+        """0.5.10 s3:454-458: f"... norm={param.norm()}" for every parameter of the module:
+        the norm on the compute stream, then formatting the 0-d result reads it (.item())."""
+        b, c, lay = self.b, self.costs, self.layout
+        for j, p in enumerate(params):
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            norm = b.compute(COMPUTE, f"{path}.debug_norm:{p.name}", O.ComputeKind.ELEMENTWISE, 2 * p.numel,
+                             p.numel * lay.dt, lay.dt, deps=deps if j == 0 else (), buffers=(self.pbuf(p),))
+            cp = b.copy(COMPUTE, f"{path}.debug_item:{p.name}", O.CopyDirection.D2H, lay.dt, deps=(norm,))
+            b.sync_ops((cp,), "debug string: .item() of param.norm()")
+            b.host("debug string", O.HostKind.DEBUG, c.debug_string_ns)
+
+    def _prefetch_from_queue(self, i: int, path: str, params: list[ParamSpec]) -> None:
+        """0.6.0 s3:345-380 / 0.19.8 ppc:422-484: pop this fetch's own queue entries, then
+        gather ahead along the queue."""
         not_fetched = {p.name for p in params if self.most_recent[p.name] < i}
         discarded: set[str] = set()
+        # (the queue yields one entry per parameter a fetch visits over a step: its Python
+        # is in HostCosts.fetch_param_ns)
         while self.queue and len(discarded) < len(not_fetched):
             name, used_at = self.queue.popleft()
             self.most_recent[name] = used_at
             discarded.add(name)
         assert discarded == not_fetched, (i, path, discarded, not_fetched)
-        examined = 0
         if self.z.prefetch_bucket_size > 0:
             budget = min(self.z.max_live_parameters - self.n_available, self.z.prefetch_bucket_size)
             chosen: dict[str, ParamSpec] = {}
             numel = 0
             while self.queue and numel < budget:
                 name, used_at = self.queue.popleft()
-                examined += 1
                 self.most_recent[name] = max(self.most_recent[name], used_at)
-                if self.status[name] == NA and name not in chosen:
-                    chosen[name] = self.layout.by_name[name]
-                    numel += self.layout.by_name[name].numel
-            if chosen:
-                self._all_gather(list(chosen.values()), "prefetch")
-        return examined
+                p = self.layout.by_name[name]
+                if name in chosen:
+                    continue
+                if self.status[name] == NA:
+                    chosen[name] = p
+                    numel += p.numel
+                elif self.version.prefetch_counts_available:
+                    chosen[name] = p  # 0.6.0 counts it; __all_gather_params skips it
+                    numel += p.numel
+            gather = [p for p in chosen.values() if self.status[p.name] == NA]
+            if gather:
+                self._all_gather(gather, "prefetch")
 
     def _wait(self, p: ParamSpec) -> None:
         """Wait on an in-flight parameter (the host-side part of fetch's wait loop)."""
         b, s = self.b, self.layout.ag_stream
         m = self.knobs.max_outstanding_coalesced
-        if m and len(self.fetch_events) > m:
+        if len(self.fetch_events) > m:
             b.sync_ops((self.fetch_events[-(m + 1)],), "fetch back-pressure: oldest outstanding all-gather")
-        h = self.handle.pop(p.name)
-        if not h.waited:
-            h.waited = True
-            if h.flat_buffer is not None:
-                names = tuple(dict.fromkeys(self.pbuf(q) for q in h.params))
-                b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
-                b.copy(s, f"unflatten {h.params[0].name}+{len(h.params) - 1}", O.CopyDirection.D2D,
-                       sum(q.numel for q in h.params) * self.layout.dt, buffers=(h.flat_buffer,) + names)
-                b.free(h.flat_buffer, s, "coalesced all-gather buffer")
-        self.status[p.name] = AVAILABLE
+        self._complete(p.name)
         last = b.last_on_stream.get(s)
         if last is not None:
             self.fetch_events.append(last)
+
+    def _complete(self, name: str) -> bool:
+        """An in-flight parameter's handle waited: a coalesced gather's flat output is
+        copied into its parameters' storage on the all-gather stream, once. True if
+        that copy was emitted now."""
+        b, s = self.b, self.layout.ag_stream
+        h = self.handle.pop(name)
+        self.status[name] = AVAILABLE
+        if h.waited:
+            return False
+        h.waited = True
+        b.host("wait", O.HostKind.PYTHON, self.costs.wait_ns(len(h.params), self.layout.n_part))
+        if h.flat_buffer is None:
+            return False
+        names = tuple(dict.fromkeys(self.pbuf(q) for q in h.params))
+        b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
+        b.copy(s, f"unflatten {h.params[0].name}+{len(h.params) - 1}", O.CopyDirection.D2D,
+               sum(q.numel for q in h.params) * self.layout.dt, buffers=(h.flat_buffer,) + names)
+        b.free(h.flat_buffer, s, "coalesced all-gather buffer")
+        return True
 
     # ------------------------------------------------------------ all-gather
     def _all_gather(self, params: list[ParamSpec], why: str) -> None:
@@ -212,15 +288,16 @@ class ParamCoordinator:
             for batch in batches:
                 self._all_gather_call(batch, why, secondary=part is sec)
 
-    def _all_gather_call(self, batch: list[ParamSpec], why: str, secondary: bool = False) -> None:
-        b, c, lay, s = self.b, self.costs, self.layout, self.layout.ag_stream
+    def _all_gather_call(self, batch: list[ParamSpec], why: str, secondary: bool = False,
+                         stream: str | None = None) -> None:
+        b, c, lay = self.b, self.costs, self.layout
+        s = stream or lay.ag_stream
         self.n_ag += 1
         k = self.n_ag
         shard = sum(lay.part[p.name] for p in batch)
         out_bytes = shard * lay.n_part * lay.dt
+        b.host("gather", O.HostKind.PYTHON, c.gather_ns(len(batch), lay.n_part))
         for p in batch:
-            if self.pbuf(p) == "persistent":
-                continue
             size = lay.part[p.name] * lay.n_part * lay.dt  # storage of the padded full parameter
             b.alloc(self.pbuf(p), size, s, f"gathered {p.name}")
         names = tuple(dict.fromkeys(self.pbuf(p) for p in batch))
@@ -231,11 +308,13 @@ class ParamCoordinator:
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.copy(s, f"ag{k}.copy_in", O.CopyDirection.D2D, shard * lay.dt, buffers=(flat, "flat16[0]"))
         target = (flat,) if flat else names
-        tmp = None
-        if not self.knobs.flat_collectives:
-            tmp = f"agtmp[{k}]"
-            b.alloc(tmp, out_bytes, s, f"all-gather flatten buffer {k}")
-            target = (tmp,)
+        if why == "prefetch" and not self.knobs.empty_gather_buffers:
+            # 0.5.10 _allgather_param: torch.zeros(aligned_param_size) (pp:875)
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            b.compute(s, f"ag{k}.zero_fill", O.ComputeKind.ELEMENTWISE, 0, 0, out_bytes, buffers=target)
+        if why == "prefetch" and not self.knobs.fine_grained_sync:
+            # 0.5.10 _allgather_param: torch.cuda.synchronize() before the all-gather (pp:882)
+            b.sync_device(f"ag{k}: torch.cuda.synchronize() before the prefetch all-gather (pp:882)")
         label = f"{b.phase.value}.ag{k}.{why}:{batch[0].name}" + (f"+{len(batch) - 1}" if len(batch) > 1 else "")
         g = lay.groups
         if secondary:
@@ -262,13 +341,6 @@ class ParamCoordinator:
         else:
             b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
             b.collective(s, label, O.CollectiveKind.ALL_GATHER, out_bytes, lay.dtype, g.partition, buffers=target)
-        if tmp:
-            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.copy(s, f"ag{k}.unflatten_list", O.CopyDirection.D2D, out_bytes,
-                   buffers=(tmp,) + ((flat,) if flat else names))
-            b.free(tmp, s, f"all-gather flatten buffer {k}")
-        if not self.knobs.fine_grained_sync:
-            b.sync_device(f"ag{k}: device-wide synchronize after all-gather")
         handle = _Handle(batch, flat, out_bytes)
         for p in batch:
             self.status[p.name] = INFLIGHT
@@ -278,26 +350,46 @@ class ParamCoordinator:
     def release(self, step_id: int, e: TraceEntry) -> None:
         """The post-hook of ``e``; ``step_id`` is the next trace position."""
         m = e.module
-        release = {p.name for p in m.params if p.name not in self.persistent}
-        release = {n for n in release if self.most_recent[n] <= step_id}
-        traversed = 0
-        for later in self.trace[step_id:]:
-            if not later.fetch:  # only hook calls are positions of DeepSpeed's trace
-                continue
-            if traversed >= self.z.max_reuse_distance:
-                break
-            for p in later.module.params:
-                release.discard(p.name)
-                traversed += p.numel
-        for p in self.layout.unique_in_ds_order(m.params):
+        params = self.layout.unique_in_ds_order(m.params)
+        c = self.costs
+        self.b.host(f"release {m.path}", O.HostKind.MODULE_HOOK, c.release_hook_ns + c.release_param_ns * len(params))
+        if self.knobs.precomputed_fetch:
+            release = self._params_to_release(step_id, e)
+        else:
+            # 0.5.10 _keep_for_later (s3:513-521): get_reuse_distance_in_numel reads the
+            # same offset trace, finds another module at the module's position and answers
+            # "no reuse" (10**12 elements, s3:248-258): every non-persistent parameter is
+            # released after each use
+            release = {p.name for p in params if p.name not in self.persistent}
+        for p in params:
             holders = self.holders[p.name]
             holders.discard(m.path)
             # ds_active_sub_modules: a parameter another open module still uses stays.
             if p.name in release and self.status[p.name] == AVAILABLE and not holders:
                 self._free_param(p)
 
+    def _params_to_release(self, step_id: int, e: TraceEntry) -> set[str]:
+        """0.6.0 s3:444-466 / 0.19.8 ppc:634-664: the module's non-persistent parameters
+        not used again within max_reuse_distance elements of the coming trace."""
+        release = {p.name for p in e.module.params if p.name not in self.persistent}
+        if self.version.release_keeps_passed_reuse:
+            release = {n for n in release if self.most_recent[n] <= step_id}
+        traversed = 0
+        stop_at_equal = self.version.reuse_scan_stops_at_equal
+        for later in self.trace[step_id:]:
+            if not later.fetch:  # only hook calls are positions of DeepSpeed's trace
+                continue
+            if traversed > self.z.max_reuse_distance or (stop_at_equal and traversed == self.z.max_reuse_distance):
+                break
+            for p in later.module.params:
+                release.discard(p.name)
+                traversed += p.numel
+        return release
+
     def release_all(self) -> None:
-        """release_and_reset_all, before the optimizer step: persistent parameters too."""
+        """Every available parameter released, persistent ones too: 0.5.10 at the end of
+        each backward (_partition_all_parameters, s3:2948), later releases before the
+        optimizer step (release_and_reset_all)."""
         for p in self.layout.params:
             if self.status[p.name] == AVAILABLE:
                 self._free_param(p)
@@ -316,22 +408,23 @@ class ParamCoordinator:
             self.secondary.add(p.name)
         self.status[p.name] = NA
         self.n_available -= p.numel
-        if self.pbuf(p) != "persistent":
-            b.free(self.pbuf(p), COMPUTE, f"release {p.name}")
+        b.host("free", O.HostKind.PYTHON, self.costs.free_param_ns)
+        b.free(self.pbuf(p), COMPUTE, f"release {p.name}")
 
     # ------------------------------------------------------------ after the optimizer step
     def gather_persistent(self) -> None:
-        """Synchronous gather (stage3._post_step -> Init._all_gather): one all-gather per
-        persistent parameter, all launched, then all waited; no coordinator back-pressure."""
+        """Synchronous gather (stage3._post_step -> _allgather_params_coalesced): one
+        all-gather per persistent parameter on the default stream, all launched, then a
+        device-wide synchronize; no coordinator back-pressure."""
         pers = [p for p in self.layout.params if p.name in self.persistent]
         if not pers:
             return
         for p in pers:
-            self._all_gather_call([p], "persistent")
+            self._all_gather_call([p], "persistent", stream=COMPUTE)
         for p in pers:
             self.handle.pop(p.name)
             self.status[p.name] = AVAILABLE
-        self.b.sync_stream(self.layout.ag_stream, "synchronous gather of persistent parameters")
+        self.b.sync_device("synchronous gather of persistent parameters: torch.cuda.synchronize()")
 
     def invalidate_secondary(self) -> None:
         """hpZ's secondary shards are dropped after the step (invalidate_secondary_tensor)."""

@@ -172,9 +172,12 @@ def test_zero3_fp32_gradient_and_fp64_norms_are_made_every_step(precision):
 
 
 def test_optimized_and_baseline_differ_exactly_in_the_knobs():
+    # every knob is one of the seed's changes: 0.5.10 and 0.6.0 differ in each; 0.19.8
+    # kept all of 0.6.0's sides
     opt, base = KNOB_PRESETS["optimized"], KNOB_PRESETS["baseline"]
     differing = [f.name for f in fields(Knobs) if getattr(opt, f.name) != getattr(base, f.name)]
     assert differing == [f.name for f in fields(Knobs)]  # every knob, nothing else
+    assert KNOB_PRESETS["current"] == opt
 
 
 def _tiny(**zero):
@@ -235,36 +238,97 @@ def _count(s, pred):
     return sum(1 for op in s.programs[0].step if pred(op))
 
 
+def _labels(s, kind, text):
+    return [op for op in s.programs[0].step if isinstance(op, kind) and text in op.label]
+
+
+def _syncs(s, text, scope=None):
+    return [op for op in _labels(s, O.HostSync, text) if scope is None or op.scope is scope]
+
+
+def _fetches_gathering(s):
+    """Hook calls (fetch host ops) followed by a demand all-gather before the next hook."""
+    n, open_ = 0, False
+    for op in s.programs[0].step:
+        if isinstance(op, O.HostWork) and op.kind is O.HostKind.MODULE_HOOK and op.label.startswith("hook "):
+            open_ = True
+        elif open_ and isinstance(op, O.Collective) and ".fetch:" in op.label:
+            n, open_ = n + 1, False
+    return n
+
+
+_AG, _RS = O.CollectiveKind.ALL_GATHER, O.CollectiveKind.REDUCE_SCATTER
+
+
+def _params_gathered_async(s):
+    """Parameters the fetch and prefetch all-gathers carry (a label ends +k for k more)."""
+    n = 0
+    for op in colls(s, _AG):
+        if ".fetch:" in op.label or ".prefetch:" in op.label:
+            tail = op.label.rsplit(":", 1)[1]
+            n += 1 + (int(tail.rsplit("+", 1)[1]) if "+" in tail else 0)
+    return n
+_N_PARAMS = len(describe(MODEL_PRESETS["tiny"], 2, 16).unique_params())
+
+
 @pytest.mark.parametrize("knob, value, check", [
     ("coalesced_collectives", False,
-     lambda s, base: len(colls(s, O.CollectiveKind.ALL_GATHER)) > len(colls(base, O.CollectiveKind.ALL_GATHER))),
+     lambda s, base: len(colls(s, _AG)) > len(colls(base, _AG)) and len(colls(s, _RS)) == _N_PARAMS),
+    # 0.5.10: a device-wide synchronize before each prefetched all-gather and after each
+    # fetch's demand gathers, then a stream + device synchronize at that fetch
     ("fine_grained_sync", False,
-     lambda s, base: _count(s, lambda o: isinstance(o, O.HostSync) and o.scope is O.SyncScope.DEVICE)
-     == len(colls(s, O.CollectiveKind.ALL_GATHER))),
-    ("flat_collectives", False,
-     lambda s, base: _count(s, lambda o: isinstance(o, O.Alloc) and o.buffer.startswith(("agtmp", "rstmp")))
-     == len(colls(s, O.CollectiveKind.ALL_GATHER)) + len(colls(s, O.CollectiveKind.REDUCE_SCATTER))),
+     lambda s, base: len(_syncs(s, "before the prefetch all-gather", O.SyncScope.DEVICE))
+     == len([op for op in colls(s, _AG) if ".prefetch:" in op.label]) > 0
+     and len(_syncs(s, "demand all-gather", O.SyncScope.DEVICE)) == _fetches_gathering(s) > 0
+     and len(_syncs(s, "fetch: torch.cuda.synchronize", O.SyncScope.DEVICE))
+     == len(_syncs(s, "fetch: all-gather stream synchronize", O.SyncScope.STREAM)) > 0
+     and not _syncs(s, "fetch back-pressure")),
+    ("flat_reduce_scatter", False,
+     lambda s, base: _count(s, lambda o: isinstance(o, O.Alloc) and o.buffer.startswith("rstmp"))
+     == len(colls(s, _RS)) and not _count(s, lambda o: isinstance(o, O.Alloc) and o.buffer.startswith("agtmp"))),
     ("fused_grad_norm", False,
-     lambda s, base: _count(s, lambda o: isinstance(o, O.Copy) and "norm_item:" in o.label)
-     == len(describe(MODEL_PRESETS["tiny"], 2, 16).unique_params())),
+     lambda s, base: _count(s, lambda o: isinstance(o, O.Copy) and "norm_item:" in o.label) == _N_PARAMS),
+    ("fused_overflow_check", False,
+     lambda s, base: len(_labels(s, O.Copy, "overflow_item:")) == _N_PARAMS
+     and not _labels(s, O.Compute, ".isinf:") and len(_labels(base, O.Compute, ".isinf:")) == _N_PARAMS),
     ("debug_string_ops", True,
-     lambda s, base: _count(s, lambda o: isinstance(o, O.Copy) and o.label.endswith("debug_item")) > 0),
+     lambda s, base: _count(s, lambda o: isinstance(o, O.Copy) and ".debug_item:" in o.label)
+     == sum(len({p.name for p in e.module.params})
+            for e in module_trace(describe(MODEL_PRESETS["tiny"], 2, 16), True) if e.fetch)),
+    # 0.5.10's trace is one position off: nothing prefetched, every use gathered on demand
     ("precomputed_fetch", False,
-     lambda s, base: _count(s, lambda o: isinstance(o, O.HostWork) and o.label.startswith("fetch decisions")) > 0),
+     lambda s, base: not [op for op in colls(s, _AG) if ".prefetch:" in op.label]
+     and [op for op in colls(base, _AG) if ".prefetch:" in op.label]),
+    ("empty_gather_buffers", False,
+     lambda s, base: len(_labels(s, O.Compute, ".zero_fill"))
+     == len([op for op in colls(s, _AG) if ".prefetch:" in op.label]) > 0),
+    ("preallocated_reduce_buffers", False,
+     lambda s, base: {op.buffer for op in s.programs[0].step if isinstance(op, O.Alloc)} >= {"ipg_bucket0",
+                                                                                           "ipg_bucket1", "grad16[0]"}
+     and len(_labels(s, O.Copy, "store shard")) == _N_PARAMS
+     and "ipg_bucket" not in {op.buffer for op in s.programs[0].setup}),
+    # 0: the host waits for the last fetch event at every wait after the first, and for
+    # the reduce stream at every flush (as 0.5.10 does, s3:2159-2160)
     ("max_outstanding_coalesced", 0,
-     lambda s, base: _count(s, lambda o: isinstance(o, O.HostSync) and "back-pressure" in o.label) == 0
-     and _count(base, lambda o: isinstance(o, O.HostSync) and "back-pressure" in o.label) > 0),
-    ("defragment_persistent", False,
-     lambda s, base: len(s.programs[0].setup) > len(base.programs[0].setup)),
+     lambda s, base: len(_syncs(s, "fetch back-pressure")) == _params_gathered_async(s) - 1
+     and len(_syncs(s, "reduction stream synchronize before the flush")) == len(colls(s, _RS))),
 ])
 def test_each_knob_alone_changes_the_schedule_its_way(knob, value, check):
     md = describe(MODEL_PRESETS["tiny"], 2, 16)
     cfg = ds(stage3_max_reuse_distance=0, stage3_param_persistence_threshold=200, reduce_bucket_size=5000)
-    base = generate(md, World(1, 2), cfg, Knobs())
-    s = generate(md, World(1, 2), cfg, knobs_from("optimized", [f"{knob}={value}"]))
+    base = generate(md, World(1, 2), cfg, KNOB_PRESETS["optimized"], preset="optimized")
+    s = generate(md, World(1, 2), cfg, knobs_from("optimized", [f"{knob}={value}"]), preset="optimized")
     assert s != base
     assert validate(s) == []
     assert check(s, base)
+
+
+def test_removed_and_renamed_knobs_say_why():
+    from commsim.ir.errors import CommsimInputError
+    with pytest.raises(CommsimInputError, match="flat_collectives is now flat_reduce_scatter"):
+        knobs_from("optimized", ["flat_collectives=false"])
+    with pytest.raises(CommsimInputError, match="defragment_persistent=false.*removed: neither DeepSpeed 0.5.10"):
+        knobs_from("optimized", ["defragment_persistent=false"])
 
 
 def test_ds_config_errors():

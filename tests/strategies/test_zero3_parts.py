@@ -1,5 +1,7 @@
 """The ZeRO-3 lowering's parts on their own: coordinator, reducer, persistence, sub-groups."""
 
+from dataclasses import fields, replace
+
 from commsim.ir import ops as O
 from commsim.ir.ops import Phase
 from commsim.models import MODEL_PRESETS, describe
@@ -32,11 +34,21 @@ def test_persistent_params_fill_the_model_budget_per_rank_in_ds_order():
     assert persistent_params(params, 0, 10**9, 2) == frozenset()
 
 
-def test_sub_groups_start_a_new_group_before_overflowing():
+def test_sub_groups_close_at_the_parameter_that_fills_them():
+    # _create_fp16_sub_groups: a group ends with the parameter that brings it to the
+    # size or beyond; one group when everything fits; sizes are the rank's partitions
     a, b, c, d = _p("a", 5), _p("b", 20), _p("c", 3), _p("d", 4)
-    assert sub_groups((a, b, c, d), 10) == [[a], [b], [c, d]]
-    assert sub_groups((b, a), 10) == [[b], [a]]  # a parameter larger than a group is a group alone
-    assert sub_groups((a, b, c, d), 10**9) == [[a, b, c, d]]
+    assert sub_groups((a, b, c, d), 10) == [[a, b], [c, d]]
+    assert sub_groups((b, a), 10) == [[b], [a]]
+    assert sub_groups((a, b, c, d), 32) == [[a, b, c, d]]
+    assert sub_groups((a, b, c, d), 10, {"a": 3, "b": 3, "c": 4, "d": 1}) == [[a, b, c], [d]]
+
+
+def _costs() -> HostCosts:
+    """Launches and the two hooks priced, every other host cost zero: exact logs that
+    do not move when measured costs do."""
+    keep = {"launch_ns": 6_000, "collective_launch_ns": 20_000, "module_hook_ns": 30_000, "grad_hook_ns": 10_000}
+    return replace(HostCosts(), **{f.name: keep.get(f.name, 0) for f in fields(HostCosts)})
 
 
 def _parts(**zero):
@@ -55,7 +67,7 @@ def test_coordinator_alone_gathers_coalesced_waits_with_back_pressure_and_releas
     md, z, layout, b = _parts(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
                               stage3_max_reuse_distance=0)
     trace = zero3_trace.module_trace(md, False)
-    coord = ParamCoordinator(b, layout, z, Knobs(), HostCosts(), trace)
+    coord = ParamCoordinator(b, layout, z, Knobs(), _costs(), trace)
     coord.reset_micro_step()
     ln = "roberta.embeddings.LayerNorm"
     for i, e in enumerate(trace):
@@ -96,7 +108,7 @@ def test_reducer_alone_flushes_before_the_bucket_would_overflow():
     md, z, layout, b = _parts(reduce_bucket_size=100)
     trace = zero3_trace.module_trace(md, False)
     ln = next(m for m in md.modules if m.path == "roberta.embeddings.LayerNorm")
-    grads = GradReducer(b, layout, z, Knobs(), HostCosts(), trace)
+    grads = GradReducer(b, layout, z, Knobs(), _costs(), trace)
     grads.reset_micro_step(at_boundary=True)
     b.phase = Phase.BACKWARD
     assert grads.before_backward(ln) == (f"grad:{ln.path}.weight", f"grad:{ln.path}.bias")
@@ -111,8 +123,10 @@ def test_reducer_alone_flushes_before_the_bucket_would_overflow():
         ("Copy", f"grad to bucket {w}"),
         ("Free", f"gradient {w} (now in the bucket)"),
         # 64 + 64 elements > 100: the weight's bucket goes first; 64 divides over 2
-        # ranks, so the lone gradient needs no interleaving
+        # ranks, so the lone gradient needs no interleaving, only the pre-divide (cc:94)
         ("HostWork", f"grad hook {bias}"),
+        ("HostWork", "launch"),
+        ("Compute", "rs1.divide"),
         ("HostWork", "reduce_scatter launch"),
         ("Collective", f"bwd.rs1:{w}"),
         ("HostWork", "launch"),
@@ -120,6 +134,8 @@ def test_reducer_alone_flushes_before_the_bucket_would_overflow():
         ("HostWork", "launch"),
         ("Copy", f"grad to bucket {bias}"),
         ("Free", f"gradient {bias} (now in the bucket)"),
+        ("HostWork", "launch"),
+        ("Compute", "rs2.divide"),
         ("HostWork", "reduce_scatter launch"),
         ("Collective", f"bwd.rs2:{bias}"),
         ("HostWork", "launch"),
@@ -131,11 +147,14 @@ def test_reducer_alone_flushes_before_the_bucket_would_overflow():
 
 def test_coordinator_persistent_parameters_start_available_and_are_regathered_after_the_step():
     md, z, layout, b = _parts()  # DeepSpeed's default threshold: all of tiny's parameters persist
-    coord = ParamCoordinator(b, layout, z, Knobs(), HostCosts(), zero3_trace.module_trace(md, False))
+    coord = ParamCoordinator(b, layout, z, Knobs(), _costs(), zero3_trace.module_trace(md, False))
     assert all(s == AVAILABLE for s in coord.status.values())
     coord.release_all()
     assert all(s == NA for s in coord.status.values())
     coord.gather_persistent()
     ags = [op for op in b.step if isinstance(op, O.Collective)]
     assert len(ags) == len(layout.params) and all(s == AVAILABLE for s in coord.status.values())
-    assert isinstance(b.step[-1], O.HostSync) and b.step[-1].stream == "allgather"
+    # on the default stream, then a device-wide synchronize (0.19.8's
+    # _allgather_params_coalesced, like 0.5.10's pp:984 and 0.6.0's pp:1310)
+    assert {op.stream for op in ags} == {"compute"}
+    assert isinstance(b.step[-1], O.HostSync) and b.step[-1].scope is O.SyncScope.DEVICE

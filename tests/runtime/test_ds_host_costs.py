@@ -1,0 +1,75 @@
+"""runtime/ds_host_costs.py: DeepSpeed's own routines timed on the CPU, fitted, and the
+constants in commsim.strategies.knobs derived from the stored measurements."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commsim.models import describe
+from commsim.strategies.knobs import HOST_COSTS, HostCosts
+from commsim.strategies.zero3_trace import module_trace
+from runtime import ds_host_costs as H
+
+ROOT = Path(__file__).resolve().parents[2]
+STORED = sorted((ROOT / "traces" / "host-costs").glob("deepspeed-*-world*.json"))
+
+
+def test_fit_recovers_a_fixed_cost_and_per_item_costs():
+    calls = [(1000 + 200 * p + 3000 * g, {"param": p, "gathered": g}) for p in range(5) for g in range(3)]
+    f = H.fit(calls, ["param", "gathered"])
+    assert (f["fixed_ns"], f["per_param_ns"], f["per_gathered_ns"]) == (1000, 200, 3000)
+    assert f["r2"] == 1.0 and f["total_counts"] == {"param": 30, "gathered": 15}
+    # a cost that would come out negative is dropped, the rest refitted
+    f = H.fit([(500 - 10 * p, {"param": p}) for p in range(5)], ["param"])
+    assert f["per_param_ns"] == 0 and f["fixed_ns"] == 480
+
+
+def test_the_knobs_constants_are_the_stored_measurements_derived():
+    derived = H.derive([str(p) for p in STORED])
+    assert set(derived) == {"0.5.10", "0.6.0", "0.19.8"} and set(HOST_COSTS) == set(derived)
+    for version, fields in derived.items():
+        assert fields["_fit"]["worlds"] == [8, 64]
+        for name, value in fields.items():
+            # launches: the same PyTorch in all three runs, so their mean (within noise)
+            if name.startswith("_") or name in ("launch_ns", "collective_launch_ns"):
+                continue
+            assert getattr(HOST_COSTS[version], name) == value, (version, name)
+    assert HOST_COSTS["0.19.8"] == HostCosts()
+    means = [sum(derived[v][k] for v in derived) / 3 for k in ("launch_ns", "collective_launch_ns")]
+    assert abs(HostCosts().launch_ns - means[0]) <= 100 and abs(HostCosts().collective_launch_ns - means[1]) <= 300
+
+
+def test_stored_measurements_saw_the_hooks_commsims_trace_has():
+    """Real DeepSpeed fired one fetch hook per position of commsim's hook trace and one
+    gradient hook per parameter, in every release; a few more releases in commsim's
+    trace (DeepSpeed skips the post-backward hook of a module whose inputs need no
+    gradient)."""
+    md = describe(H.model_config(), 2, 16)
+    trace = module_trace(md, True)
+    for path in STORED:
+        calls = json.loads(path.read_text())["calls"]
+        assert len(calls["fetch"]) == sum(e.fetch for e in trace), path.name
+        assert len(calls["grad_hook"]) == len(md.registered_params()), path.name
+        assert 0 < sum(e.release for e in trace) - len(calls["release"]) <= 8, path.name
+
+
+def test_installed_deepspeed_is_timed_routine_by_routine(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "c.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "runtime.ds_host_costs", "--deepspeed", "0.19.8", "--world", "8",
+                          "--steps", "2", "-o", str(out)], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["world"] == 8 and doc["deepspeed"] == "0.19.8"
+    fits = doc["fits"]
+    assert {"fetch", "release", "grad_hook", "flush"} <= set(fits)
+    # every hook costs something, and a fetch that gathers costs more than one that does not
+    assert fits["fetch"]["fixed_ns"] > 0 and fits["grad_hook"]["fixed_ns"] > 0
+    assert fits["fetch"]["total_counts"]["gathered"] > 0
+    assert doc["primitives"]["torch_op_ns"] > 0
