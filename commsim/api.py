@@ -72,13 +72,14 @@ class Prediction:
 
 
 def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
-    from commsim.ir.ops import op_flops, op_kind_name, op_size_bytes
+    from commsim.ir.ops import collective_columns, op_flops, op_kind_name, op_size_bytes
 
     recs = []
     for rr in result.ranks.values():
         for r in rr.records:
             recs.append(TraceRecord(r.rank, r.stream, int(r.op.id), op_kind_name(r.op), r.op.label, r.start_ns,
-                                    r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0, r.op.phase.value))
+                                    r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0, r.op.phase.value,
+                                    *collective_columns(r.op)))
     meta = TraceMeta(TraceSource.PREDICTED, producer="commsim.sim", schedule_hash=schedule_hash(schedule),
                      hardware=hardware, seed=result.seed, extra=(("mode", result.mode), ("jitter", result.jitter)))
     return make_trace(meta, recs)
