@@ -85,21 +85,31 @@ def main() -> None:
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     gas = fc.gradient_accumulation_steps
     times = []
+    phase_times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}  # summed over micro-steps
     for _ in range(args.steps):
         t = time.perf_counter()
+        spent = dict.fromkeys(phase_times, 0.0)
         for micro in range(gas):
             if not fc.requires_gradient_sync:
                 # reduce only at the last micro-step (FSDP1's no_sync)
                 model.set_requires_gradient_sync(micro == gas - 1)
             ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
+            t0 = time.perf_counter()
             loss = model(ids, labels=ids)
+            t1 = time.perf_counter()
             loss.backward()
+            spent["forward"] += t1 - t0
+            spent["backward"] += time.perf_counter() - t1
+        t0 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        spent["step"] = time.perf_counter() - t0
         times.append(time.perf_counter() - t)
+        for k, v in spent.items():
+            phase_times[k].append(v)
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
-            json.dump({"step_times_s": times}, f)
+            json.dump({"step_times_s": times, "phase_times_s": phase_times}, f)
     dist.barrier()
     dist.destroy_process_group()
 
