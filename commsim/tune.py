@@ -236,7 +236,8 @@ def _fsdp2_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Spa
         return out
 
     def scenario(st: dict[str, Any]) -> Scenario:
-        return base.with_(fsdp_config=config(st), micro_batch=st["micro_batch"], checkpointing=bool(st["checkpointing"]))
+        return base.with_(fsdp_config=config(st), micro_batch=st["micro_batch"],
+                          checkpointing=bool(st["checkpointing"]))
 
     return _Space(start, dims, candidates, scenario, config)
 

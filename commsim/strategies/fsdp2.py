@@ -115,7 +115,7 @@ class FSDP2Lowering:
             g.backward_prefetch = blocks[max(0, i - cfg.backward_prefetch):i][::-1] if cfg.backward_prefetch else []
         self.block_first = {}
         for m in md.modules:
-            if m.block is not None and (m.fwd or m.bwd):
+            if m.block is not None and m.fwd:  # the activation bookkeeping is by forward kernels
                 self.block_first.setdefault(m.block, m.path)
         # FSDPCommContext / FSDPStateContext
         self.all_gather_state: tuple[str, O.OpId] | None = None
@@ -150,7 +150,8 @@ class FSDP2Lowering:
         if self.cfg.offload:  # sharded parameters, gradients and AdamW state live in host memory
             return
         for u in self.layout.units:
-            self.b.setup_alloc(self._shard_buffer(u), u.shard(self.layout.shard) * 4, f"sharded fp32 parameters of {u.name}")
+            self.b.setup_alloc(self._shard_buffer(u), u.shard(self.layout.shard) * 4,
+                               f"sharded fp32 parameters of {u.name}")
         n = sum(u.local for u in self.layout.units)
         for state in ("exp_avg", "exp_avg_sq"):
             self.b.setup_alloc(state, n * 4, f"AdamW {state} (this rank's rows)")

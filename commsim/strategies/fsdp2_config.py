@@ -125,7 +125,8 @@ def parse_fsdp_config(obj: Any, where: str = "fsdp_config") -> FSDP2Config:
     if obj is None:
         obj = {}
     if not isinstance(obj, dict):
-        raise CommsimInputError(f"{where}: an FSDP2 config is one JSON object, like {{\"reshard_after_forward\": true}}")
+        raise CommsimInputError(f"{where}: an FSDP2 config is one JSON object, like "
+                                "{\"reshard_after_forward\": true}")
     for k in obj:
         if k not in KEYS:
             raise _bad(where, k, f"unknown key; allowed: {', '.join(KEYS)}")

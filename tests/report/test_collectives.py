@@ -83,7 +83,8 @@ def test_the_dtype_alone_decides(schedule):
     fp32 = [(k, b, "fp16" if k == "all_gather" else dt, g) for k, b, dt, g in step]
     m = strict_match(fp32, recording([step, step, step]))
     assert not m.ok and m.repeats == 0
-    assert m.difference.position == len(step) - 1 and m.difference.expected[2] == "fp16" and m.difference.recorded[2] == "bf16"
+    d = m.difference
+    assert d.position == len(step) - 1 and d.expected[2] == "fp16" and d.recorded[2] == "bf16"
 
 
 def test_a_fragment_that_repeats_at_the_end_does_not_cover_the_steps(schedule):

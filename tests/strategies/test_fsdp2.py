@@ -3,6 +3,7 @@ on tiny models, without torch. Its collective sequences are checked against real
 tests/runtime/test_fsdp2_fidelity.py; here the parts a recording cannot see."""
 
 import itertools
+import json
 
 import pytest
 
@@ -81,7 +82,8 @@ def test_one_reduce_scatter_input_stays_in_flight():
     # block 0's post-backward frees block 1's input, and its chunk_cat waits for that reduce-scatter
     free = index(ops, lambda op: isinstance(op, O.Free) and op.buffer == rs[0].buffers[0])
     assert ops.index(rs[0]) < free < ops.index(rs[1])
-    cat = next(op for op in ops[free:] if isinstance(op, O.Copy) and op.label == "bwd.rs:roberta.encoder.layer.0.chunk_cat")
+    cat = next(op for op in ops[free:] if isinstance(op, O.Copy)
+               and op.label == "bwd.rs:roberta.encoder.layer.0.chunk_cat")
     assert rs[0].id in cat.deps
 
 
@@ -139,22 +141,17 @@ def test_reshard_to_a_smaller_group_gathers_over_it_in_backward():
     assert pf[0].size_bytes == 49984 * 4 // 2
 
 
-def test_reentrant_recompute_prefetches_again_and_drops_the_unused_gathers():
+def test_reentrant_recompute_prefetches_again_and_drops_the_unused_gathers(tmp_path):
     # with explicit forward prefetch, the reentrant recompute of block i runs its forward
     # hooks, which gather blocks i+1, i+2 again after their reduce-scatter (as recorded
     # from torch 2.13): 7 backward all-gathers for 4 blocks; the second gathers of blocks
     # 3, 2 and 1 are never used, and the final callback waits for and frees them
-    from pathlib import Path
-    import json
-    import tempfile
-
     cfg = {"model_type": "roberta", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
            "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 130, "type_vocab_size": 1}
-    with tempfile.TemporaryDirectory() as d:
-        p = Path(d) / "config.json"
-        p.write_text(json.dumps(cfg))
-        s = sched({"forward_prefetch": 2, "backward_prefetch": 2}, model=str(p))
-        s_nr = sched({"forward_prefetch": 2, "backward_prefetch": 2}, model=str(p), style="non_reentrant")
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    s = sched({"forward_prefetch": 2, "backward_prefetch": 2}, model=str(p))
+    s_nr = sched({"forward_prefetch": 2, "backward_prefetch": 2}, model=str(p), style="non_reentrant")
     bwd = [op.label.split(":")[1].split(".")[-1] for op in colls(s) if op.kind is O.CollectiveKind.ALL_GATHER
            and op.phase is not O.Phase.FORWARD]
     assert bwd == ["3", "2", "1", "3", "0", "2", "1"]
