@@ -68,3 +68,23 @@ def test_recorded_fsdp2_matches_generated_schedule(tmp_path, name):
         report = json.loads(res.stdout)
         # FSDP2's first step already communicates as the later ones: all three match
         assert report["match"] and report["repeats"] == 3, report
+
+
+def test_the_executor_runs_an_fsdp2_schedule(tmp_path):
+    # offloaded shards copied in, bf16 casts on the copy-in stream, gradients accumulated
+    # unsharded over two micro-steps and copied to the host, the host waiting for them
+    cfg = tmp_path / "fsdp.json"
+    cfg.write_text(json.dumps({"offload": True, "mp_param_dtype": "bf16", "gradient_accumulation_steps": 2,
+                               "requires_gradient_sync": False}))
+    sched = tmp_path / "sched.json"
+    out = commsim("schedule", "--strategy", "fsdp2", "--fsdp-config", str(cfg), "--model", "tiny", "--nodes", "1",
+                  "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "-o", str(sched))
+    assert out.returncode == 0, out.stderr
+    out = commsim("execute", str(sched), "--nproc-per-node", "2", "--steps", "1", "--check-data", "-o",
+                  str(tmp_path / "measured.json"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    trace = json.loads((tmp_path / "measured.json").read_text())
+    col = {c: i for i, c in enumerate(trace["columns"])}
+    coll = [(r[col["kind"]], r[col["dtype"]], r[col["group"]]) for r in trace["rows"]
+            if r[col["kind"]] in ("all_gather", "reduce_scatter") and r[col["rank"]] == 0]
+    assert coll == [("all_gather", "bf16", "0,1")] * 10 + [("reduce_scatter", "bf16", "0,1")] * 3
