@@ -22,7 +22,10 @@ Two pairs average the part of a machine's noise that changes within minutes; the
 that changes over tens of minutes stays. Rows marked ``deepspeed`` run real DeepSpeed
 (DS_ACCELERATOR=cpu, gloo) on the same model and config instead of our executor,
 timing its steps; their prediction uses host costs that calibrate measured from
-DeepSpeed itself (on a different, tiny model). Rows marked ``slow-link`` /
+DeepSpeed itself (on a different, tiny model). Rows with FSDP2 settings (``fsdp``) run
+real PyTorch FSDP2 (runtime/examples/fsdp_train.py, gloo) with those settings instead,
+timing its steps, and are predicted with ``--strategy fsdp2`` and commsim's default
+host costs (nothing measures FSDP2's own hook costs yet). Rows marked ``slow-link`` /
 ``fast-link`` run the two ranks in separate network namespaces joined by a veth pair
 rate-limited with tc (root only), each calibrated over that link.
 
@@ -69,7 +72,8 @@ class Row:
     preset: str = "optimized"
     micro: int = 4
     seq: int = 128
-    runner: str = "executor"  # executor | deepspeed | slow-link | fast-link
+    runner: str = "executor"  # executor | deepspeed | fsdp2 | slow-link | fast-link
+    fsdp: dict | None = None  # FSDP2 settings: the row runs real FSDP2 (fsdp2, or over a link)
 
 
 GRID = [
@@ -91,12 +95,16 @@ GRID = [
     Row("DS small z3 nothing live", "small", 2, {"stage": 3, "stage3_param_persistence_threshold": 0,
                                                  "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
         preset="current", micro=2, runner="deepspeed"),
+    # real PyTorch FSDP2 (fp32, FSDP2's defaults; checkpointing as the other rows)
+    Row("FSDP2 small", "small", 2, {}, micro=2, runner="fsdp2", fsdp={}),
+    Row("FSDP2 small no reshard", "small", 2, {}, micro=2, runner="fsdp2", fsdp={"reshard_after_forward": False}),
     # Two ranks in separate network namespaces joined by a veth pair: rate-limited with tc
     # (the local stand-in for EFA) or not (a fast fabric). Root only; skipped otherwise.
     Row("small z3 opt slow link", "small", 2, {"stage": 3}, runner="slow-link"),
     Row("small z3 baseline slow link", "small", 2, {"stage": 3}, preset="baseline", runner="slow-link"),
     Row("small z2 slow link", "small", 2, {"stage": 2}, runner="slow-link"),
     Row("small z3 opt fast link", "small", 2, {"stage": 3}, runner="fast-link"),
+    Row("FSDP2 small slow link", "small", 2, {}, micro=2, runner="slow-link", fsdp={}),
 ]
 # tc token-bucket rate of each emulated link (None: the veth pair unlimited). 1 Gbit/s
 # makes the small model's ZeRO-3 step communication-bound on this machine.
@@ -124,12 +132,27 @@ def ds_config(row: Row) -> dict:
     return {"train_micro_batch_size_per_gpu": row.micro, "zero_optimization": row.zero}
 
 
+def row_config(row: Row) -> dict:
+    """The settings file a row's framework reads: FSDP2's, or DeepSpeed's."""
+    return row.fsdp if row.fsdp is not None else ds_config(row)
+
+
+def scenario(row: Row, cfg: str | dict, **kw) -> Scenario:
+    if row.fsdp is not None:
+        return Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, strategy="fsdp2", fsdp_config=cfg,
+                        micro_batch=row.micro, seq=row.seq, **kw)
+    return Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=cfg, seq=row.seq,
+                    preset=row.preset, **kw)
+
+
 # Steady state only. The executor's first measured step after a single warm-up step is
 # slower than the next ones (first-touch page faults of freshly allocated buffers), so
 # two warm-up steps. Real DeepSpeed records its module trace in steps 0-1 and allocates
 # the optimizer state lazily in its first step(); its step times settle from step 3 on.
 EXECUTOR_WARMUP = 2
 DEEPSPEED_WARMUP = 3
+# FSDP2 initialises lazily in its first forward and AdamW its state in the first step()
+FSDP2_WARMUP = 2
 
 
 def median_step_s(trace: Path) -> float:
@@ -154,7 +177,7 @@ def measure_deepspeed(row: Row, cfg_path: Path, timings: Path, steps: int) -> fl
     return statistics.median(times)
 
 
-# ds_train's phase names (its timer's boundaries: forward, backward, engine.step)
+# ds_train's and fsdp_train's phase names (its timer's boundaries: forward, backward, engine.step)
 _DS_PHASES = {"forward": "forward", "backward": "backward", "step": "optimizer"}
 
 
@@ -167,14 +190,28 @@ def measured_phases(row: Row, out: Path, pred_trace) -> tuple[dict[str, float], 
 
     pred_records = [r for r in pred_trace.records if r.rank == 0 and r.step == 0]
     predicted = {p: ns / 1e9 for p, ns in phase_times(pred_records).items()}
-    if row.runner == "deepspeed":
+    if row.runner == "deepspeed" or row.fsdp is not None:
+        warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
         obj = json.loads(out.read_text())["phase_times_s"]
-        measured = {_DS_PHASES[k]: statistics.median(v[DEEPSPEED_WARMUP:]) for k, v in obj.items()}
+        measured = {_DS_PHASES[k]: statistics.median(v[warmup:]) for k, v in obj.items()}
         return predicted, measured, {}
     c = compare(pred_trace, Trace.load(out))
     predicted["communication"] = c.predicted.comm_ns / 1e9
     measured = {p: ns / 1e9 for p, ns in c.measured_phase_ns.items()}
     return predicted, measured, c.percentiles()
+
+
+def fsdp2_args(row: Row, cfg_path: Path, timings: Path, steps: int) -> list[str]:
+    return ["--model", row.model, "--seq", str(row.seq), "--micro-batch", str(row.micro), "--fsdp-config",
+            str(cfg_path), "--steps", str(steps + FSDP2_WARMUP), "--timings", str(timings)]
+
+
+def measure_fsdp2(row: Row, cfg_path: Path, timings: Path, steps: int) -> float:
+    """Real FSDP2's median step (fsdp_train's timer); its phase times stay in ``timings``."""
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks),
+         "-m", "runtime.examples.fsdp_train", *fsdp2_args(row, cfg_path, timings, steps)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return statistics.median(json.loads(timings.read_text())["step_times_s"][FSDP2_WARMUP:])
 
 
 class LinkedNamespaces:
@@ -209,27 +246,29 @@ class LinkedNamespaces:
         for ns in self.ns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
-    def run_ranks(self, args: list[str], timeout: int = 1800) -> None:
-        """``commsim ARGS`` as rank 0 and rank 1, one per namespace (env:// rendezvous)."""
+    def run_ranks(self, args: list[str], timeout: int = 1800, module: str = "commsim.cli") -> None:
+        """``python -m MODULE ARGS`` (commsim by default) as rank 0 and rank 1, one per
+        namespace (env:// rendezvous)."""
         port = str(29700 + os.getpid() % 200)
         procs = []
         for rank, (ns, dev) in enumerate(zip(self.ns, self.dev)):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=NS_ADDR[0],
                        MASTER_PORT=port, GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "commsim.cli", *args],
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", module, *args],
                                           env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=timeout) for p in procs]
         for rank, (p, (o, e)) in enumerate(zip(procs, outs)):
             if p.returncode != 0:
-                raise RuntimeError(f"rank {rank} of commsim {' '.join(args)} failed:\n{o[-1500:]}\n{e[-2500:]}")
+                raise RuntimeError(f"rank {rank} of {module} {' '.join(args)} failed:\n{o[-1500:]}\n{e[-2500:]}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8 rows (no 4-rank or DeepSpeed rows), 2 measured steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="8 rows (no 4-rank, DeepSpeed or FSDP2 rows), 2 measured steps")
     ap.add_argument("--traces", help="copy each row's measured trace into this folder")
     ap.add_argument("--skip-deepspeed", action="store_true")
-    ap.add_argument("--only", help="comma-separated runners to keep: executor, deepspeed, slow-link, fast-link")
+    ap.add_argument("--only", help="comma-separated runners to keep: executor, deepspeed, fsdp2, slow-link, fast-link")
     ap.add_argument("--row", action="append", default=[], metavar="NAME",
                     help="keep only the row of this name (repeatable), e.g. --row 'small z2'")
     ap.add_argument("--calibrate-once", action="store_true",
@@ -245,7 +284,7 @@ def main() -> None:
         args.repeats = 1 if args.quick else 2
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: must be at least 1")
-    rows = [r for r in GRID if not (args.quick and (r.ranks > 2 or r.runner == "deepspeed"))]
+    rows = [r for r in GRID if not (args.quick and (r.ranks > 2 or r.runner == "deepspeed" or r.fsdp is not None))]
     if args.skip_deepspeed:
         rows = [r for r in rows if r.runner != "deepspeed"]
     if args.only:
@@ -267,8 +306,7 @@ def main() -> None:
     shape_files: dict = {}
     row_shapes: list[list[str]] = []
     for i, row in enumerate(rows):
-        sc = Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=ds_config(row), seq=row.seq,
-                      preset=row.preset)
+        sc = scenario(row, row_config(row))
         path = work / f"shapes{i}.json"
         save_schedule(build_schedule(sc)[0], path)
         shape_files.setdefault(row_key(row), []).extend(["--schedule", str(path)])
@@ -309,6 +347,11 @@ def main() -> None:
     def measure(row: Row, cfg_path: Path, sched_path: Path, out: Path) -> float:
         if row.runner == "deepspeed":
             return measure_deepspeed(row, cfg_path, out, steps)
+        if row.fsdp is not None and row.runner in LINK_RATE:
+            links[row.runner].run_ranks(fsdp2_args(row, cfg_path, out, steps), module="runtime.examples.fsdp_train")
+            return statistics.median(json.loads(out.read_text())["step_times_s"][FSDP2_WARMUP:])
+        if row.fsdp is not None:
+            return measure_fsdp2(row, cfg_path, out, steps)
         if row.runner in LINK_RATE:
             links[row.runner].run_ranks(["execute", str(sched_path), "--steps", str(steps),
                                          "--warmup", str(EXECUTOR_WARMUP), "-o", str(out)])
@@ -325,8 +368,8 @@ def main() -> None:
     phase_errs: list[float] = []  # |error| of every phase (and communication) of every row
     phase_rows = 0
     for i, row in enumerate(rows):
-        cfg_path = work / f"ds{i}.json"
-        cfg_path.write_text(json.dumps(ds_config(row)))
+        cfg_path = work / f"{'fsdp' if row.fsdp is not None else 'ds'}{i}.json"
+        cfg_path.write_text(json.dumps(row_config(row)))
         # cals[k]: the machine's state right before repeat k (and, but for --before-only,
         # cals[k + 1] right after it): calibrate, run, calibrate, run, ..., calibrate
         if args.calibrate_once:  # a copy: a DeepSpeed row's host costs must not reach the next row
@@ -335,8 +378,7 @@ def main() -> None:
             with_host_costs(row, cals[0])
         else:
             cals = [calibrated(row, i, "")]
-        sc = Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=str(cfg_path), seq=row.seq,
-                      preset=row.preset, hw_profile=str(cals[0]))
+        sc = scenario(row, str(cfg_path), hw_profile=str(cals[0]))
         schedule = build_schedule(sc)[0]
         sched_path = work / f"sched{i}.json"
         save_schedule(schedule, sched_path)
@@ -365,7 +407,7 @@ def main() -> None:
             for p, v in ph_meas.items():
                 phase_runs.setdefault(p, []).append((ph_pred[p], v))
             op_pcts.append(ops)
-            if k == 0 and row.runner != "deepspeed" and args.traces:
+            if k == 0 and row.runner != "deepspeed" and row.fsdp is None and args.traces:
                 dest = Path(args.traces)
                 dest.mkdir(parents=True, exist_ok=True)
                 from commsim.ir.trace import Trace

@@ -8,7 +8,9 @@
 ``Scenario`` holds what the ``commsim predict`` flags hold, with the same defaults
 (the seed scenario: roberta-10b, 8 p4d nodes, ZeRO-3 of today's DeepSpeed (preset
 ``current``; ``baseline`` / ``optimized`` are DeepSpeed 0.5.10 / 0.6.0), micro-batch 16,
-sequence 512, bf16, layer-wise checkpointing).
+sequence 512, bf16, layer-wise checkpointing). ``strategy="fsdp2"`` lowers PyTorch
+FSDP2 instead, with ``fsdp_config``'s settings (commsim.strategies.fsdp2_config;
+default: the seed scenario's, ``default_fsdp_config()``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from commsim.sim.engine import SimConfig, SimResult, Simulator, simulate
 @dataclass(frozen=True)
 class Scenario:
     model: str = "roberta-10b"
+    strategy: str = "deepspeed"  # "deepspeed" (ds_config, stage, preset, knobs) or "fsdp2" (fsdp_config)
+    fsdp_config: str | dict[str, Any] | None = None  # path or parsed JSON (strategy "fsdp2")
     cluster: str = "p4d"
     nodes: int = 8
     gpus_per_node: int | None = None  # None: the cluster's
@@ -73,13 +77,14 @@ class Prediction:
 
 
 def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
-    from commsim.ir.ops import op_flops, op_kind_name, op_size_bytes
+    from commsim.ir.ops import collective_columns, op_flops, op_kind_name, op_size_bytes
 
     recs = []
     for rr in result.ranks.values():
         for r in rr.records:
             recs.append(TraceRecord(r.rank, r.stream, int(r.op.id), op_kind_name(r.op), r.op.label, r.start_ns,
-                                    r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0, r.op.phase.value))
+                                    r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0, r.op.phase.value,
+                                    *collective_columns(r.op)))
     meta = TraceMeta(TraceSource.PREDICTED, producer="commsim.sim", schedule_hash=schedule_hash(schedule),
                      hardware=hardware, seed=result.seed, extra=(("mode", result.mode), ("jitter", result.jitter)))
     return make_trace(meta, recs)
@@ -102,13 +107,59 @@ def _ds_config(sc: Scenario):
     return load_ds_config(sc.ds_config), sc.ds_config
 
 
+def default_fsdp_config() -> dict[str, Any]:
+    """The seed scenario's FSDP2 settings: its bf16 compute, as FSDP2 users run it
+    (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, torchtitan's
+    default); FSDP2's own defaults otherwise. ``{}`` is FSDP2's defaults, fp32 throughout."""
+    return {"mp_param_dtype": "bf16", "mp_reduce_dtype": "fp32"}
+
+
+def _fsdp_config(sc: Scenario):
+    from commsim.strategies.fsdp2_config import load_fsdp_config, parse_fsdp_config
+
+    if sc.fsdp_config is None:
+        return parse_fsdp_config(default_fsdp_config(), "default fsdp_config")
+    if isinstance(sc.fsdp_config, dict):
+        return parse_fsdp_config(sc.fsdp_config, "fsdp_config")
+    return load_fsdp_config(sc.fsdp_config)
+
+
+def _build_fsdp2(sc: Scenario):
+    """The FSDP2 schedule of a scenario; DeepSpeed's settings do not apply to it."""
+    from commsim.strategies import CURRENT, World, generate_fsdp2
+
+    given = [flag for flag, v in (("--ds-config", sc.ds_config), ("--stage", sc.stage), ("--knob", sc.knobs)) if v]
+    if given or sc.preset != "current":
+        given += ["--preset"] if sc.preset != "current" else []
+        raise CommsimInputError(f"{', '.join(given)}: DeepSpeed settings; --strategy fsdp2 takes its settings from "
+                                "--fsdp-config")
+    cfg = _fsdp_config(sc)
+    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
+    world = World(sc.nodes, cluster.node.gpus_per_node)
+    micro = sc.micro_batch or 16  # the seed scenario's
+    md = describe_model(sc.model, micro, sc.seq, 4 if cfg.param_dtype == "fp32" else 2)
+    # FSDP2's hooks are not measured: its launches and hook cost are the defaults
+    # (today's PyTorch dispatch and DeepSpeed 0.19.8's module hook; knobs.HostCosts)
+    schedule = generate_fsdp2(md, world, cfg, checkpointing=sc.checkpointing, costs=_host_costs(sc, CURRENT.name),
+                              checkpoint_style=sc.checkpoint_style)
+    info = step_info(md, world.size, sc.nodes, cfg.gradient_accumulation_steps, sc.checkpointing,
+                     cluster.node.price_usd_per_hour)
+    return schedule, md, info, cfg.param_dtype
+
+
 def build_schedule(sc: Scenario):
-    """(schedule, model description, step info) for a scenario that generates its schedule."""
-    from commsim.strategies import World, generate
+    """(schedule, model description, step info, precision) for a scenario that generates its schedule."""
+    from commsim.strategies import STRATEGIES, World, generate
     from commsim.strategies.dsconfig import check_batch
     from commsim.strategies.dsversions import apply_version_rules, version_of
     from commsim.strategies.knobs import knobs_from
 
+    if sc.strategy not in STRATEGIES:
+        raise CommsimInputError(f"--strategy {sc.strategy!r}: allowed: {', '.join(STRATEGIES)}")
+    if sc.strategy == "fsdp2":
+        return _build_fsdp2(sc)
+    if sc.fsdp_config is not None:
+        raise CommsimInputError("--fsdp-config: FSDP2 settings; give --strategy fsdp2 with it")
     ds, where = _ds_config(sc)
     if sc.stage is not None and sc.ds_config is not None and sc.stage != ds.zero.stage:
         raise CommsimInputError(f"--stage {sc.stage} contradicts {where}: zero_optimization.stage {ds.zero.stage}")
@@ -298,7 +349,8 @@ def predict(sc: Scenario) -> Prediction:
         what = f"{sc.schedule} ({schedule.meta.description or schedule.meta.model})"
     else:
         schedule, md, info, precision = build_schedule(sc)
-        what = (f"{md.name}, ZeRO-{schedule.meta.strategy[-1]} ({sc.preset}), micro-batch {md.micro_batch} x "
+        how = "FSDP2" if sc.strategy == "fsdp2" else f"ZeRO-{schedule.meta.strategy[-1]} ({sc.preset})"
+        what = (f"{md.name}, {how}, micro-batch {md.micro_batch} x "
                 f"{md.seq_len}, {precision}{', checkpointing' if sc.checkpointing else ''}")
     cost, hardware = cost_model(sc, precision)
     sources = check_profile_fits(cost, sc.hw_profile, sc, schedule, cluster) if sc.hw_profile else ()
@@ -324,6 +376,7 @@ def _resolved(sc: Scenario, schedule: Schedule, cluster) -> dict[str, Any]:
 
     stage = re.fullmatch(r"zero(\d)", schedule.meta.strategy or "")
     return {"net": "profile" if sc.hw_profile else cluster.node.fabric.kind,
+            "strategy": "fsdp2" if schedule.meta.strategy == "fsdp2" else sc.strategy,
             "stage": int(stage.group(1)) if stage else None,
             "gpus_per_node": cluster.node.gpus_per_node,
             "micro_batch": schedule.meta.micro_batch}
@@ -332,7 +385,7 @@ def _resolved(sc: Scenario, schedule: Schedule, cluster) -> dict[str, Any]:
 def scenario_from_args(args: Any) -> Scenario:
     """The CLI's predict flags as a Scenario."""
     return Scenario(
-        model=args.model, cluster=args.cluster, nodes=args.nodes,
+        model=args.model, strategy=args.strategy, fsdp_config=args.fsdp_config, cluster=args.cluster, nodes=args.nodes,
         gpus_per_node=args.gpus_per_node, net=args.net, stage=args.stage, preset=args.preset,
         knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
         checkpointing=not args.no_checkpointing, checkpoint_style=args.checkpoint_style, schedule=args.schedule, hw_profile=args.hw_profile,

@@ -3,9 +3,11 @@
 A grid axis is ``NAME=V1,V2,...`` where NAME is a ``Scenario`` field (``model``,
 ``cluster``, ``nodes``, ``gpus_per_node``, ``net``, ``stage``, ``preset``,
 ``micro_batch``, ``seq``, ``checkpointing``, ``mode``, ``seed``, ...), a knob
-(``knob.coalesced_collectives``) or a DeepSpeed config key (``ds.reduce_bucket_size``
+(``knob.coalesced_collectives``), a DeepSpeed config key (``ds.reduce_bucket_size``
 for ``zero_optimization`` keys, ``ds.train_micro_batch_size_per_gpu`` and the other
-top-level keys by their names). Each point becomes one row: its parameters, a stable
+top-level keys by their names) or, with ``strategy`` fsdp2, an FSDP2 setting
+(``fsdp.reshard_after_forward``, ``fsdp.hsdp_replicas``, ...; ``null`` for None). Each
+point becomes one row: its parameters, a stable
 ``point_id``, and the prediction's metrics (or its error). Rows are appended to a CSV
 as they finish, so a rerun with the same output skips the points already there.
 """
@@ -38,6 +40,8 @@ METRICS = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflo
 
 
 def _value(name: str, raw: str) -> Any:
+    if name.startswith("fsdp.") and raw.lower() in ("null", "none"):
+        return None
     if name in _INT:
         return int(raw)
     if name in _FLOAT:
@@ -60,10 +64,11 @@ def parse_grid(items: Iterable[str]) -> dict[str, list[Any]]:
         name, eq, raw = item.partition("=")
         if not eq or not raw:
             raise CommsimInputError(f"--grid {item!r}: expected NAME=V1,V2,...")
-        if not (name in _SCENARIO or name.startswith(("knob.", "ds."))):
-            allowed = ", ".join(n for n in _SCENARIO if n not in ("warnings", "host_costs", "knobs", "ds_config"))
+        if not (name in _SCENARIO or name.startswith(("knob.", "ds.", "fsdp."))):
+            allowed = ", ".join(n for n in _SCENARIO if n not in ("warnings", "host_costs", "knobs", "ds_config",
+                                                                  "fsdp_config"))
             raise CommsimInputError(f"--grid {item!r}: {name} is not a predict setting ({allowed}), "
-                                    "knob.NAME or ds.KEY")
+                                    "knob.NAME, ds.KEY or fsdp.KEY")
         try:
             grid[name] = [_value(name, v) for v in raw.split(",")]
         except ValueError:
@@ -102,9 +107,14 @@ def scenario_for(base: Scenario, point: dict[str, Any]) -> Scenario:
     changes: dict[str, Any] = {}
     knobs = list(base.knobs)
     ds: dict[str, Any] | None = None
+    fsdp: dict[str, Any] | None = None
     for name, v in point.items():
         if name.startswith("knob."):
             knobs.append(f"{name[5:]}={v}")
+        elif name.startswith("fsdp."):
+            if fsdp is None:
+                fsdp = base_fsdp_config(base)
+            fsdp[name[5:]] = v
         elif name.startswith("ds."):
             if ds is None:
                 ds = base_ds_config(base)
@@ -119,7 +129,25 @@ def scenario_for(base: Scenario, point: dict[str, Any]) -> Scenario:
         if "stage" in changes:
             ds.setdefault("zero_optimization", {})["stage"] = changes.pop("stage")
         changes["ds_config"] = ds
+    if fsdp is not None:
+        changes["fsdp_config"] = fsdp
     return base.with_(knobs=tuple(knobs), **changes)
+
+
+def base_fsdp_config(base: Scenario) -> dict[str, Any]:
+    """The scenario's FSDP2 settings as a JSON object (the seed scenario's when none)."""
+    if base.fsdp_config is None:
+        from commsim.api import default_fsdp_config
+
+        return default_fsdp_config()
+    if isinstance(base.fsdp_config, dict):
+        return json.loads(json.dumps(base.fsdp_config))
+    from commsim.util.files import read_json
+
+    obj = read_json(base.fsdp_config, CommsimInputError)
+    if not isinstance(obj, dict):
+        raise CommsimInputError(f"{base.fsdp_config}: an FSDP2 config is one JSON object")
+    return obj
 
 
 def base_ds_config(base: Scenario) -> dict[str, Any]:

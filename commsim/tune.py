@@ -1,4 +1,4 @@
-"""Tuning advisor: the DeepSpeed config with the highest predicted throughput that fits.
+"""Tuning advisor: the DeepSpeed (or FSDP2) config with the highest predicted throughput that fits.
 
 Coordinate descent over DeepSpeed's own keys, each prediction a full simulation:
 starting from the user's config (DeepSpeed's defaults where it is silent), every
@@ -12,6 +12,12 @@ The dimensions (``DIMENSIONS``) are DeepSpeed keys written into the resulting co
 plus two model-side choices that DeepSpeed's config cannot express and the
 explanation reports instead: layer-wise activation checkpointing, and (through the
 micro-batch) the batch size. MiCS is left out: DeepSpeed 0.19.8 refuses its keys.
+
+With ``strategy="fsdp2"`` the dimensions are FSDP2's (``FSDP2_DIMENSIONS``, keys of
+commsim.strategies.fsdp2_config): ``reshard_after_forward`` (true, false, and
+resharding to one node's GPUs when the shard group spans nodes), explicit forward and
+backward prefetch depth, HSDP (sharding inside each node, replicating across nodes),
+the micro-batch and checkpointing; the result is an FSDP2 config.
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ DIMENSIONS: dict[str, tuple[Any, ...] | None] = {
     "stage3_param_persistence_threshold": (0, int(1e4), int(1e5), int(1e6)),
     "zero_hpz_partition_size": None,  # 1, or the GPUs of a node when there are several nodes
     "train_micro_batch_size_per_gpu": None,  # half, same, double the starting micro-batch
+    "checkpointing": (True, False),
+}
+FSDP2_DIMENSIONS: dict[str, tuple[Any, ...] | None] = {
+    "reshard_after_forward": None,  # true, false, and a node's GPUs when the shard group spans nodes
+    "forward_prefetch": (0, 1, 2),
+    "backward_prefetch": (0, 1, 2),
+    "hsdp_replicas": None,  # 1, or the nodes (shard inside each node) when there are several
+    "micro_batch": None,  # half, same, double the starting micro-batch
     "checkpointing": (True, False),
 }
 STAGE3_ONLY = {"stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
@@ -66,10 +80,15 @@ class Evaluation:
 class TuneResult:
     base: Evaluation
     best: Evaluation
-    ds_config: dict[str, Any]
+    config: dict[str, Any]  # the winning DeepSpeed (or FSDP2) config, as written
     steps: list[tuple[str, Any, Any, Evaluation, Evaluation]] = field(default_factory=list)  # dim, old, new, before, after
     evaluations: int = 0
     rounds: int = 0
+    strategy: str = "deepspeed"
+
+    @property
+    def ds_config(self) -> dict[str, Any]:
+        return self.config
 
     @property
     def speedup(self) -> float:
@@ -80,7 +99,7 @@ class TuneResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "ds_config": self.ds_config,
+            ("fsdp_config" if self.strategy == "fsdp2" else "ds_config"): self.config,
             "checkpointing": self.best.settings["checkpointing"],
             "base": _summary(self.base), "best": _summary(self.best), "speedup": self.speedup,
             "changes": [{"key": d, "from": a, "to": b, "tokens_per_s_before": x.tokens_per_s,
@@ -155,9 +174,19 @@ def _scenario(base: Scenario, ds: dict[str, Any], settings: dict[str, Any], stag
                       checkpointing=bool(settings["checkpointing"]))
 
 
-def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max_rounds: int = 3,
-         progress: Callable[[str], None] | None = None) -> TuneResult:
-    """Search ``dimensions`` (default: all that apply) from ``base``; see the module doc."""
+@dataclass
+class _Space:
+    """What one strategy searches: where it starts, which dimensions, each one's values,
+    the scenario of a point and the config it writes."""
+
+    start: dict[str, Any]
+    dims: list[str]
+    candidates: Callable[[str, dict[str, Any]], list[Any]]
+    scenario: Callable[[dict[str, Any]], Scenario]
+    config: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _deepspeed_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Space:
     ds, start = _start(base)
     stage = int(ds["zero_optimization"]["stage"])
     if stage not in (1, 2, 3):
@@ -168,10 +197,59 @@ def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max
             raise CommsimInputError(f"--search {d}: allowed: {', '.join(DIMENSIONS)}")
         if d in STAGE3_ONLY and stage != 3:
             raise CommsimInputError(f"--search {d}: applies to ZeRO stage 3 only (the config has stage {stage})")
+    return _Space(start, dims, lambda d, cur: _candidates(d, cur, gpn, base.nodes),
+                  lambda st: _scenario(base, ds, st, stage), lambda st: ds_config_for(ds, st, stage))
+
+
+def _fsdp2_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Space:
+    from commsim.strategies.fsdp2_config import parse_fsdp_config
+    from commsim.sweep import base_fsdp_config
+
+    cfg_obj = base_fsdp_config(base)
+    cfg = parse_fsdp_config(cfg_obj, str(base.fsdp_config) if isinstance(base.fsdp_config, str) else "fsdp_config")
+    start = {"reshard_after_forward": cfg.reshard_after_forward, "forward_prefetch": cfg.forward_prefetch,
+             "backward_prefetch": cfg.backward_prefetch, "hsdp_replicas": cfg.hsdp_replicas,
+             "micro_batch": base.micro_batch or 16, "checkpointing": base.checkpointing}
+    dims = dimensions or list(FSDP2_DIMENSIONS)
+    for d in dims:
+        if d not in FSDP2_DIMENSIONS:
+            raise CommsimInputError(f"--search {d}: allowed with --strategy fsdp2: {', '.join(FSDP2_DIMENSIONS)}")
+    world = base.nodes * gpn
+
+    def candidates(d: str, cur: dict[str, Any]) -> list[Any]:
+        if d == "reshard_after_forward":
+            shard = world // cur["hsdp_replicas"]
+            out: list[Any] = [True, False]
+            if shard > gpn > 1 and shard % gpn == 0:
+                out.append(gpn)
+            return out if cur[d] in out else out + [cur[d]]
+        if d == "hsdp_replicas":
+            return sorted({1, base.nodes, cur[d]}) if gpn > 1 else [cur[d]]
+        if d == "micro_batch":
+            return sorted({max(1, cur[d] // 2), cur[d], cur[d] * 2})
+        values = list(FSDP2_DIMENSIONS[d] or ())
+        return values if cur[d] in values else values + [cur[d]]
+
+    def config(st: dict[str, Any]) -> dict[str, Any]:
+        out = dict(cfg_obj)
+        out.update({k: v for k, v in st.items() if k not in ("micro_batch", "checkpointing")})
+        return out
+
+    def scenario(st: dict[str, Any]) -> Scenario:
+        return base.with_(fsdp_config=config(st), micro_batch=st["micro_batch"],
+                          checkpointing=bool(st["checkpointing"]))
+
+    return _Space(start, dims, candidates, scenario, config)
+
+
+def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max_rounds: int = 3,
+         progress: Callable[[str], None] | None = None) -> TuneResult:
+    """Search ``dimensions`` (default: all that apply) from ``base``; see the module doc."""
     from commsim.hardware.specs import cluster_preset
 
     cluster = cluster_preset(base.cluster, base.nodes, base.net, base.gpus_per_node)
     gpn = cluster.node.gpus_per_node
+    space = (_fsdp2_space if base.strategy == "fsdp2" else _deepspeed_space)(base, dimensions, gpn)
     cache: dict[str, Evaluation] = {}
     ctx = mp.get_context("spawn")
     with ctx.Pool(max(1, jobs)) as pool:
@@ -181,12 +259,12 @@ def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max
                 key = json.dumps(s, sort_keys=True)
                 if key not in cache and key not in {k for k, _ in todo}:
                     todo.append((key, s))
-            rows = pool.map(run_point, [(_scenario(base, ds, s, stage), {}, k) for k, s in todo]) if todo else []
+            rows = pool.map(run_point, [(space.scenario(s), {}, k) for k, s in todo]) if todo else []
             for (key, s), row in zip(todo, rows):
                 cache[key] = Evaluation(s, row)
             return [cache[json.dumps(s, sort_keys=True)] for s in batch]
 
-        current = evaluate([dict(start)])[0]
+        current = evaluate([dict(space.start)])[0]
         base_eval = current
         if base_eval.row.get("error"):
             raise CommsimInputError(f"the starting point does not predict: {base_eval.row['error']}")
@@ -194,8 +272,8 @@ def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max
         rounds = 0
         for rounds in range(1, max_rounds + 1):
             changed = False
-            for d in dims:
-                values = _candidates(d, current.settings, gpn, base.nodes)
+            for d in space.dims:
+                values = space.candidates(d, current.settings)
                 if len(values) < 2:
                     continue
                 evals = evaluate([{**current.settings, d: v} for v in values])
@@ -209,7 +287,7 @@ def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max
                     changed = True
             if not changed:
                 break
-    return TuneResult(base_eval, current, ds_config_for(ds, current.settings, stage), steps, len(cache), rounds)
+    return TuneResult(base_eval, current, space.config(current.settings), steps, len(cache), rounds, base.strategy)
 
 
 def _fmt(v: Any) -> str:
@@ -249,11 +327,13 @@ def explain(r: TuneResult) -> str:
         if not x.fits:
             why = f"the previous setting ran out of memory ({x.row.get('oom')})"
         lines.append(f"  {d}: {_fmt(old)} -> {_fmt(new)}: {gain:+.1%} tokens/s ({why})")
+    framework = "an FSDP2 setting" if r.strategy == "fsdp2" else "a DeepSpeed key"
     if w.settings["checkpointing"] != b.settings["checkpointing"]:
         lines.append("  note: activation checkpointing is a model setting (e.g. Hugging Face's "
-                     f"gradient_checkpointing_{'enable' if w.settings['checkpointing'] else 'disable'}()), not a "
-                     "DeepSpeed key; the config does not carry it")
-    if w.settings["train_micro_batch_size_per_gpu"] != b.settings["train_micro_batch_size_per_gpu"]:
+                     f"gradient_checkpointing_{'enable' if w.settings['checkpointing'] else 'disable'}()), not "
+                     f"{framework}; the config does not carry it")
+    micro = "micro_batch" if r.strategy == "fsdp2" else "train_micro_batch_size_per_gpu"
+    if w.settings[micro] != b.settings[micro]:
         lines.append("  note: a different micro-batch changes the global batch; adjust the learning rate "
                      "or gradient_accumulation_steps if the global batch must stay")
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 ``install()`` wraps the methods of ``torch.distributed.ProcessGroup`` (the point every
 front end reaches: ``dist.all_reduce``, DeepSpeed's coalesced collectives, FSDP2), so
 each call is logged with its kind, size in bytes (nccl-tests' convention: all-gather
-output, reduce-scatter input), dtype, group (global ranks), issue order, issue and
+output, reduce-scatter input), dtype (the trace's ``dtype`` column holds it as the
+IR's name, ``bf16``; the label keeps torch's, ``bfloat16``), group (global ranks, the
+``group`` column), issue order, issue and
 completion time (monotonic ns from the process's start of recording, which the trace's
 meta keeps as ``t0_monotonic_ns``: add it to put one node's ranks on one clock;
 completion from the work's future), the training phase
@@ -58,6 +60,11 @@ _METHODS: dict[str, tuple[str, int]] = {
     "send": ("send", 0),
     "recv": ("recv", 0),
 }
+
+
+# torch's dtype names -> the IR's (commsim.ir.ops.DType values), for the trace's dtype column
+IR_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int64": "int64",
+             "int32": "int32", "uint8": "uint8"}
 
 
 @dataclass
@@ -191,7 +198,8 @@ def to_trace(rec: Recorder) -> Any:
         end = c.end_ns if c.end_ns >= 0 else c.start_ns
         label = f"{c.phase}:{c.method}:{c.dtype}:{','.join(map(str, c.group))}"
         records.append(TraceRecord(rec.rank or 0, "collectives", c.seq, c.kind, label, c.start_ns - rec.t0,
-                                   end - rec.t0, c.size_bytes, 0, c.step, c.phase))
+                                   end - rec.t0, c.size_bytes, 0, c.step, c.phase, IR_DTYPES.get(c.dtype, c.dtype),
+                                   ",".join(map(str, c.group))))
     meta = TraceMeta(TraceSource.RECORDED, producer="commsim record", hardware=os.uname().nodename,
                      extra=(("pid", os.getpid()), ("backend", dist.get_backend() if dist.is_initialized() else ""),
                             # perf_counter is the system-wide monotonic clock on Linux

@@ -32,8 +32,9 @@ def op_failure(rank: int, step: int, op: O.Op, text: str, err: BaseException) ->
 
 def op_record(rank: int, stream: str, op: O.Op, start_ns: int, end_ns: int) -> TraceRecord:
     """The record of ``op`` having run on ``stream`` from ``start_ns`` to ``end_ns``."""
+    dtype, group = O.collective_columns(op)
     return TraceRecord(rank, stream, int(op.id), O.op_kind_name(op), op.label, start_ns, end_ns,
-                       O.op_size_bytes(op), O.op_flops(op), 0, op.phase.value)
+                       O.op_size_bytes(op), O.op_flops(op), 0, op.phase.value, dtype, group)
 
 
 def rebased(rec: TraceRecord, t0_ns: int, step: int) -> TraceRecord:

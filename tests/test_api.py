@@ -1,6 +1,11 @@
 """The Python API: scenarios and their defaults."""
 
-from commsim.api import Scenario, build_schedule, default_ds_config
+import re
+
+import pytest
+
+from commsim.api import Scenario, build_schedule, default_ds_config, predict
+from commsim.ir.errors import CommsimInputError
 from commsim.sweep import scenario_for
 
 TINY = Scenario(model="tiny", nodes=1, gpus_per_node=2, micro_batch=2, seq=16)
@@ -12,3 +17,30 @@ def test_stage_0_without_a_config_is_stage_0():
     assert build_schedule(TINY.with_(stage=0))[0].meta.strategy == "zero0"
     assert build_schedule(TINY)[0].meta.strategy == "zero3"
     assert scenario_for(TINY, {"stage": 0, "ds.reduce_bucket_size": 1000}).ds_config["zero_optimization"]["stage"] == 0
+
+
+def test_fsdp2_scenarios_predict_with_the_seed_settings_by_default():
+    sc = Scenario(model="roberta-large", nodes=2, strategy="fsdp2", micro_batch=4, seq=128)
+    p = predict(sc)
+    m = p.schedule.meta
+    assert (m.strategy, m.precision, m.setting("mp_reduce_dtype"), m.setting("reshard_after_forward")) == \
+        ("fsdp2", "bf16", "fp32", True)
+    assert p.scenario["strategy"] == "fsdp2" and p.scenario["stage"] is None
+    assert "FSDP2" in p.title and p.metrics.step_time_s > 0
+    fp32 = build_schedule(sc.with_(fsdp_config={}))[0]  # FSDP2's own defaults
+    assert fp32.meta.precision == "fp32"
+    hsdp = build_schedule(sc.with_(fsdp_config={"hsdp_replicas": 2}))[0]
+    assert hsdp.meta.rank_symmetric and len(hsdp.programs) == 16
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"strategy": "fsdp2", "ds_config": {"zero_optimization": {"stage": 3}}},
+     "--ds-config: DeepSpeed settings; --strategy fsdp2 takes its settings from --fsdp-config"),
+    ({"strategy": "fsdp2", "stage": 2, "preset": "baseline"}, "--stage, --preset: DeepSpeed settings"),
+    ({"fsdp_config": {}}, "--fsdp-config: FSDP2 settings; give --strategy fsdp2 with it"),
+    ({"strategy": "ddp"}, "--strategy 'ddp': allowed: deepspeed, fsdp2"),
+    ({"strategy": "fsdp2", "fsdp_config": {"hsdp_replicas": 3}}, "hsdp_replicas: 3 must divide the world size 16"),
+])
+def test_fsdp2_settings_and_deepspeed_settings_do_not_mix(changes, message):
+    with pytest.raises(CommsimInputError, match=re.escape(message)):
+        build_schedule(Scenario(model="roberta-large", nodes=2).with_(**changes))

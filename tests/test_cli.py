@@ -113,6 +113,32 @@ def test_schedule_bad_ds_config_key(tmp_path):
     assert not (tmp_path / "s.json").exists()
 
 
+def test_schedule_and_predict_fsdp2(tmp_path):
+    cfg = tmp_path / "fsdp.json"
+    cfg.write_text('{"reshard_after_forward": false, "hsdp_replicas": 2}')
+    out_file = tmp_path / "s.json"
+    out = run("schedule", "--strategy", "fsdp2", "--fsdp-config", str(cfg), "--model", "tiny", "--nodes", "2",
+              "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "-o", str(out_file), "--summary")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "PyTorch FSDP2 step of tiny on 2x2 GPUs (HSDP 2 x 2)"
+    assert run("validate", str(out_file)).returncode == 0
+    res = predict_json("--strategy", "fsdp2", "--fsdp-config", str(cfg), "--model", "tiny", "--nodes", "2", "--seq",
+                       "16")
+    assert (res["scenario"]["strategy"], res["scenario"]["stage"]) == ("fsdp2", None) and res["step_time_s"] > 0
+
+
+def test_bad_fsdp_config_is_one_line(tmp_path):
+    cfg = tmp_path / "fsdp.json"
+    cfg.write_text('{"reshard_after_forward": "yes"}')
+    out = run("schedule", "--strategy", "fsdp2", "--fsdp-config", str(cfg), "--model", "tiny", "-o",
+              str(tmp_path / "s.json"))
+    assert out.returncode == 2
+    assert out.stderr == (f"commsim: error: {cfg}: reshard_after_forward: must be true, false or a group size >= 1, "
+                          "got 'yes'\n")
+    out = run("schedule", "--strategy", "fsdp2", "--stage", "3", "--model", "tiny")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--stage: DeepSpeed settings" in out.stderr
+
+
 PREDICT_KEYS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_busy_frac",
                 "comm_time_s", "exposed_comm_s", "overlap_frac", "stalls_s", "peak_allocated_bytes",
                 "peak_reserved_bytes", "alloc_retries", "cost_usd_per_step", "mode"}

@@ -60,3 +60,16 @@ def test_sweep_cli_fails_when_a_point_fails(tmp_path):
     assert rows.set_index("net").loc["infiniband", "error"].startswith("--net 'infiniband': allowed:")
     res = subprocess.run(args, capture_output=True, text=True)  # resumed: the failed point is still failed
     assert res.returncode == 1 and "1 of 2 points failed" in res.stderr
+
+
+def test_fsdp2_settings_are_grid_axes():
+    base = BASE.with_(strategy="fsdp2")
+    grid = parse_grid(["fsdp.reshard_after_forward=true,false,2", "fsdp.mp_reduce_dtype=null,fp32"])
+    assert grid == {"fsdp.reshard_after_forward": [True, False, 2], "fsdp.mp_reduce_dtype": [None, "fp32"]}
+    sc = scenario_for(base, {"fsdp.reshard_after_forward": False, "fsdp.mp_reduce_dtype": None})
+    # on top of the seed scenario's FSDP2 settings
+    assert sc.fsdp_config == {"mp_param_dtype": "bf16", "mp_reduce_dtype": None, "reshard_after_forward": False}
+    df = sweep(base, parse_grid(["fsdp.reshard_after_forward=true,false"]), jobs=1)
+    assert len(df) == 2 and (df["error"] == "").all()
+    keep, reshard = (df[df["fsdp.reshard_after_forward"] == v].iloc[0] for v in (False, True))
+    assert keep["comm_time_s"] < reshard["comm_time_s"]  # no all-gathers in backward

@@ -167,3 +167,26 @@ def test_plot_cli(tmp_path):
     res = run("plot", "stalls", str(csv), "--label", "nodes,colour", "-o", str(tmp_path / "t.png"))
     assert res.returncode == 2 and "--label colour: not a column of" in res.stderr
     assert not (tmp_path / "t.png").exists()
+
+
+def test_tune_searches_fsdp2_settings_and_writes_an_fsdp2_config(tmp_path):
+    from commsim.strategies.fsdp2_config import parse_fsdp_config
+
+    base = Scenario(model="roberta-large", nodes=2, strategy="fsdp2", micro_batch=8, seq=256)
+    r = tune(base, ["reshard_after_forward", "hsdp_replicas"], jobs=2, max_rounds=1)
+    cfg = parse_fsdp_config(r.config)  # loads as FSDP2 settings
+    assert set(r.config) == {"mp_param_dtype", "mp_reduce_dtype", "reshard_after_forward", "forward_prefetch",
+                             "backward_prefetch", "hsdp_replicas"}
+    assert cfg.mp_param_dtype == "bf16" and r.strategy == "fsdp2"
+    # reshard true / false / to a node (8 of the 16), HSDP off / over the 2 nodes
+    assert r.evaluations == 4 and r.to_json()["fsdp_config"] == r.config
+    for d, old, new, before, after in r.steps:
+        assert after.tokens_per_s > before.tokens_per_s * 1.005 and f"{d}: " in r.explain()
+    out = tmp_path / "fsdp.tuned.json"
+    res = run("tune", "--strategy", "fsdp2", "--model", "tiny", "--seq", "16", "--nodes", "2", "--micro-batch", "2",
+              "--search", "forward_prefetch", "--rounds", "1", "--quiet", "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    assert parse_fsdp_config(json.loads(out.read_text())).forward_prefetch in (0, 1, 2)
+    res = run("tune", "--strategy", "fsdp2", "--model", "tiny", "--nodes", "1", "--search", "reduce_bucket_size")
+    assert res.returncode == 2 and "--search reduce_bucket_size: allowed with --strategy fsdp2: reshard_after_forward" \
+        in res.stderr

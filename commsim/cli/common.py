@@ -46,6 +46,20 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="roberta-10b",
                    help="model preset, path to a Hugging Face config.json, or module:function returning a "
                    "torch.nn.Module (walked on the meta device; needs torch) (default roberta-10b)")
+    p.add_argument("--strategy", choices=("deepspeed", "fsdp2"), default="deepspeed",
+                   help="deepspeed: DeepSpeed ZeRO from --ds-config, --stage, --preset, --knob (default); fsdp2: "
+                   "PyTorch FSDP2, fully_shard on every transformer block and the root, from --fsdp-config")
+    p.add_argument("--fsdp-config", metavar="FILE",
+                   help="FSDP2 settings JSON, keys as fully_shard's arguments (default: the seed scenario's, "
+                   "{\"mp_param_dtype\": \"bf16\", \"mp_reduce_dtype\": \"fp32\"}; {} is FSDP2's own defaults, fp32): "
+                   "reshard_after_forward (true, false or a group size k: reshard to k ranks), "
+                   "root_reshard_after_forward (null: FSDP2's default, the root keeps its parameters), "
+                   "mp_param_dtype / mp_reduce_dtype (MixedPrecisionPolicy: null, bf16, fp16, fp32), offload and "
+                   "offload_pin_memory (CPUOffloadPolicy), hsdp_replicas (HSDP: a replicas x world/replicas mesh, "
+                   "sharded inside), forward_prefetch / backward_prefetch (explicit prefetch of the next / previous "
+                   "N blocks; 0: FSDP2's implicit prefetching), gradient_accumulation_steps, requires_gradient_sync "
+                   "(false: reduce at the last micro-step only); checkpointing comes from --no-checkpointing and "
+                   "--checkpoint-style")
     p.add_argument("--nodes", type=positive_int, default=8, help="number of nodes (default 8)")
     p.add_argument("--gpus-per-node", type=positive_int, help="GPUs per node (default: the cluster's, 8)")
     p.add_argument("--cluster", default="p4d",

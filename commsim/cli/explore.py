@@ -44,6 +44,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from commsim.tune import tune
     from commsim.util.files import atomic_write_text
 
+    if args.output is None:
+        args.output = "fsdp_config.tuned.json" if args.strategy == "fsdp2" else "ds_config.tuned.json"
     check_outputs(("-o", args.output))
     warn_what_ifs(args.cluster, args.gpus_per_node)
     dims = [d for d in (args.search or "").split(",") if d] or None
@@ -53,7 +55,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not result.best.fits:
         raise CommsimInputError("no configuration searched fits in memory; try more nodes, "
                                 "--search train_micro_batch_size_per_gpu,checkpointing, or a larger GPU")
-    atomic_write_text(args.output, json.dumps(result.ds_config, indent=2) + "\n")
+    atomic_write_text(args.output, json.dumps(result.config, indent=2) + "\n")
     if args.json:
         print(json.dumps({"output": args.output, **result.to_json()}, indent=1, default=str))
         return 0
@@ -101,30 +103,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_scenario_flags(p)
     add_hardware_flags(p)
     p.add_argument("--grid", action="append", metavar="NAME=V1,V2",
-                   help="an axis: a predict setting (stage, net, nodes, model, preset, micro_batch, ...), "
-                   "knob.NAME or ds.KEY (repeatable)")
+                   help="an axis: a predict setting (stage, net, nodes, model, preset, micro_batch, strategy, ...), "
+                   "knob.NAME, ds.KEY or, with --strategy fsdp2, fsdp.KEY (an --fsdp-config key) (repeatable)")
     p.add_argument("--jobs", type=positive_int, default=2, help="parallel workers (default 2)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", default="sweep.csv", help="results CSV (default sweep.csv)")
     p.set_defaults(func=cmd_sweep, schedule=None)
 
-    p = sub.add_parser("tune", help="search DeepSpeed config knobs for the best predicted throughput that fits",
+    p = sub.add_parser("tune", help="search DeepSpeed (or FSDP2) settings for the best predicted throughput that fits",
                        description="Coordinate descent over DeepSpeed keys (bucket sizes, prefetch, max live "
                        "parameters, reuse distance, persistence threshold, hpZ group size, micro-batch) and "
                        "activation checkpointing, each point a full prediction; writes the winning ds_config.json "
-                       "and explains, change by change, why it wins.")
+                       "and explains, change by change, why it wins. With --strategy fsdp2: over FSDP2's "
+                       "reshard_after_forward, explicit prefetch, HSDP, micro-batch and checkpointing, writing the "
+                       "winning FSDP2 config.")
     add_scenario_flags(p)
     add_hardware_flags(p, simulation=False)
     p.add_argument("--search", help="comma-separated dimensions to search (default: all that apply): "
                    "reduce_bucket_size, stage3_prefetch_bucket_size, stage3_max_live_parameters, "
                    "stage3_max_reuse_distance, stage3_param_persistence_threshold, zero_hpz_partition_size, "
-                   "train_micro_batch_size_per_gpu, checkpointing")
+                   "train_micro_batch_size_per_gpu, checkpointing; with --strategy fsdp2: reshard_after_forward, "
+                   "forward_prefetch, backward_prefetch, hsdp_replicas, micro_batch, checkpointing")
     p.add_argument("--rounds", type=positive_int, default=3, help="at most this many rounds (default 3)")
     p.add_argument("--jobs", type=positive_int, default=2, help="parallel workers (default 2)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("-o", "--output", default="ds_config.tuned.json", help="the config to write "
-                   "(default ds_config.tuned.json)")
+    p.add_argument("-o", "--output", help="the config to write (default ds_config.tuned.json, or "
+                   "fsdp_config.tuned.json with --strategy fsdp2)")
     p.set_defaults(func=cmd_tune, schedule=None)
 
     p = sub.add_parser("plot", help="plot a sweep table: scaling curves or stall bars",

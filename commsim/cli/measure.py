@@ -94,19 +94,21 @@ def _compare_traces(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     if not args.collectives:
         return _compare_traces(args)
-    from commsim.report.collectives import (align, format_alignment, load_recorded, recorded_sequence,
-                                            schedule_sequence)
+    from commsim.report.collectives import (format_match, load_recorded, recorded_sequence, schedule_sequence,
+                                            strict_match)
 
+    if args.min_steps < 1:
+        raise CommsimInputError(f"--min-steps {args.min_steps}: must be >= 1")
     recorded = recorded_sequence(load_recorded(args.first, args.rank))
     schedule = load_schedule_any(args.second)
-    a = align(schedule_sequence(schedule, args.rank), recorded)
+    if not 0 <= args.rank < schedule.world_size:
+        raise CommsimInputError(f"--rank {args.rank}: {args.second} has ranks 0-{schedule.world_size - 1}")
+    m = strict_match(schedule_sequence(schedule, args.rank), recorded, args.min_steps)
     if args.json:
-        print(json.dumps({"match": a.ok, "expected": a.expected, "matches": [list(m) for m in a.matches],
-                          "best_start": a.best_start, "best_length": a.best_length,
-                          "mismatch": a.mismatch}))
-        return 0 if a.ok else 1
-    print(format_alignment(a))
-    return 0 if a.ok else 1
+        print(json.dumps(m.to_json()))
+        return 0 if m.ok else 1
+    print(format_match(m))
+    return 0 if m.ok else 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -153,11 +155,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="PREDICTED MEASURED: step-time error, busy time per stream and phase, exposed "
                        "communication, per-op duration errors and the largest discrepancies (--json: one object "
                        "with step_time_error_frac = (predicted - measured) / measured). "
-                       "--collectives RECORDED SCHEDULE: does the schedule's per-step collective sequence (kind, "
-                       "order, bytes) occur in the recorded run? Exit 0 if it does, 1 if not.")
+                       "--collectives RECORDED SCHEDULE: does the recorded run end with the schedule's step, "
+                       "collective for collective (kind, order, bytes, dtype, group), at least --min-steps times back "
+                       "to back with nothing between, covering the recording's last --min-steps steps? Exit 0 if it "
+                       "does, 1 if not (the line names the first difference).")
     p.add_argument("first", help="predicted trace (or, with --collectives, a recorded trace / record folder)")
     p.add_argument("second", help="measured trace (or, with --collectives, a schedule file)")
     p.add_argument("--collectives", action="store_true", help="compare collective sequences")
     p.add_argument("--rank", type=int, default=0, help="which rank to compare (default 0)")
+    p.add_argument("--min-steps", type=int, default=2,
+                   help="with --collectives: steady-state steps the schedule's step must equal (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_compare)

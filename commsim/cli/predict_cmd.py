@@ -86,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="simulate a training step and report step time, overlap and stalls",
                        description="Simulate one steady-state training step (after a warm-up step) and report "
                        "step time, throughput, overlap, stalls of the compute stream by cause, memory and cost. "
-                       "Defaults: the seed scenario, roberta-10b on 8 p4d nodes, ZeRO-3 optimized, micro-batch 16, "
+                       "Defaults: the seed scenario, roberta-10b on 8 p4d nodes, ZeRO-3 as DeepSpeed 0.19.8, micro-batch 16, "
                        "sequence 512, bf16, layer-wise checkpointing.")
     add_scenario_flags(p)
     add_hardware_flags(p)

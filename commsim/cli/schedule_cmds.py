@@ -98,7 +98,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     check_outputs(("-o", args.output))
     warn_what_ifs(args.cluster, args.gpus_per_node)
-    sc = Scenario(model=args.model, cluster=args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+    sc = Scenario(model=args.model, strategy=args.strategy, fsdp_config=args.fsdp_config, cluster=args.cluster,
+                  nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                   stage=args.stage, preset=args.preset, knobs=tuple(args.knob or ()), ds_config=args.ds_config,
                   micro_batch=args.micro_batch, seq=args.seq, checkpointing=not args.no_checkpointing,
                   checkpoint_style=args.checkpoint_style)
@@ -139,10 +140,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("schedule", help="lower a model + DeepSpeed config into a schedule file",
+    p = sub.add_parser("schedule", help="lower a model + DeepSpeed (or FSDP2) config into a schedule file",
                        description="Generate one training step per rank as DeepSpeed would run it "
                        "(ZeRO stages 0-3, checked against real DeepSpeed runs), with the 2022 ZeRO-3 "
-                       "optimisations as knobs.")
+                       "optimisations as knobs, or as PyTorch FSDP2 would (--strategy fsdp2, checked against real "
+                       "FSDP2 runs).")
     add_scenario_flags(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the schedule (.json, or .txt for the text form)")
     p.add_argument("--summary", action="store_true", help="print ops, collectives and bytes per phase and stream")

@@ -313,3 +313,11 @@ def op_size_bytes(op: Op) -> int:
 
 def op_flops(op: Op) -> int:
     return op.flops if isinstance(op, Compute) else 0
+
+
+def collective_columns(op: Op) -> tuple[str, str]:
+    """A trace record's (dtype, group) columns: a collective's element type and its
+    global ranks (``"0,1"``); ``("", "")`` for every other op."""
+    if isinstance(op, Collective):
+        return op.dtype.value, ",".join(map(str, op.group))
+    return "", ""

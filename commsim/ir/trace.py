@@ -2,8 +2,11 @@
 
 One ``TraceRecord`` per executed op: rank, stream (``host`` for host ops), op id,
 kind, label, start and end in nanoseconds, bytes and flops, the step it belongs to,
-and its training phase (an ``ops.Phase`` value: the schedule op's, or, in a recording
-of a real run, what the recorder saw: forward, backward or the optimizer step). ``TraceMeta`` says what produced the trace (simulator, executor, recorder), for
+its training phase (an ``ops.Phase`` value: the schedule op's, or, in a recording
+of a real run, what the recorder saw: forward, backward or the optimizer step), and
+for a collective its element type (an ``ops.DType`` value, e.g. ``bf16``) and process
+group (global ranks, ``"0,1,2,3"``); both are ``""`` for other ops, and where the
+producer did not know them. ``TraceMeta`` says what produced the trace (simulator, executor, recorder), for
 which schedule (its content hash), on which hardware or profile, with which seed.
 
 On disk: JSON, columnar (a list of column names, then one list per record) to stay
@@ -25,8 +28,9 @@ from commsim.util.files import atomic_write_text, read_json
 if TYPE_CHECKING:  # pandas is imported lazily: the IR must stay cheap to import
     import pandas as pd
 
-# 2: the phase column
-TRACE_SCHEMA_VERSION = 2
+# 2: the phase column; 3: the dtype and group columns (a collective's element type and
+# ranks: the strict comparison of a recording with a schedule needs both)
+TRACE_SCHEMA_VERSION = 3
 HOST_STREAM = "host"
 
 
@@ -49,6 +53,8 @@ class TraceRecord:
     flops: int = 0
     step: int = 0
     phase: str = "other"
+    dtype: str = ""  # a collective's element type (ops.DType value); "" otherwise
+    group: str = ""  # a collective's global ranks, comma-separated; "" otherwise
 
     @property
     def duration_ns(self) -> int:
@@ -194,7 +200,7 @@ class Trace:
                 "ts": r.start_ns / 1000.0,
                 "dur": (r.end_ns - r.start_ns) / 1000.0,
                 "args": {"op_id": r.op_id, "bytes": r.size_bytes, "flops": r.flops, "step": r.step,
-                         "phase": r.phase},
+                         "phase": r.phase, **({"dtype": r.dtype, "group": r.group} if r.group else {})},
             })
         return {
             "traceEvents": events,

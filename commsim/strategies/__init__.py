@@ -1,8 +1,9 @@
-"""Generators that lower a model + a DeepSpeed config + knobs into a schedule.
+"""Generators that lower a model + a framework's config into a schedule.
 
-``generate()`` is the entry point used by the CLI and notebooks. Stage 3 follows
+``generate()`` is the entry point for DeepSpeed (a config + knobs): stage 3 follows
 DeepSpeed's coordinator (``zero3``); stages 0-2 its bucketed gradient reduction
-(``zero12``).
+(``zero12``). ``generate_fsdp2()`` lowers PyTorch FSDP2 (``fsdp2``) with its settings
+(``fsdp2_config``). ``STRATEGIES`` names the front ends' choices.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from commsim.ir.schedule import Schedule, ScheduleMeta
 from commsim.models.spec import ModelDescription
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.dsversions import CURRENT, VERSIONS, DeepSpeedVersion
+from commsim.strategies.fsdp2 import FSDP2Lowering
+from commsim.strategies.fsdp2_config import FSDP2Config
 from commsim.strategies.groups import per_rank_schedule
 from commsim.strategies.knobs import PRESET_VERSIONS, HostCosts, Knobs, host_costs_for
 from commsim.strategies.zero3 import Zero3Lowering
 from commsim.strategies.zero12 import Zero12Lowering
 
 GENERATOR_VERSION = "commsim.strategies 0.1"
+STRATEGIES = ("deepspeed", "fsdp2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,4 +93,30 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
     return Schedule.uniform(world.size, program, meta)
 
 
-__all__ = ["World", "generate", "GENERATOR_VERSION"]
+def generate_fsdp2(md: ModelDescription, world: World, cfg: FSDP2Config, checkpointing: bool = True,
+                   costs: HostCosts | None = None, checkpoint_style: str = "reentrant") -> Schedule:
+    """PyTorch FSDP2's step: one ``fully_shard`` per block plus the root, ``cfg``'s settings."""
+    lowering = FSDP2Lowering(md, world.size, cfg, costs or HostCosts(), checkpointing, checkpoint_style)
+    program = lowering.program()
+    lay = lowering.layout
+    meta = ScheduleMeta(
+        model=md.name,
+        strategy="fsdp2",
+        generator=GENERATOR_VERSION,
+        description=f"PyTorch FSDP2 step of {md.name} on {world.nodes}x{world.gpus_per_node} GPUs "
+                    f"({'HSDP ' + str(lay.replicas) + ' x ' if lay.replicas > 1 else 'sharded over '}{lay.shard})",
+        # FSDP2's settings that shaped the schedule, under fsdp2_config's keys (unset ones left out)
+        config=tuple((k, v) for k, v in cfg.as_pairs() if v is not None) + (("optimizer", "torch"),),
+        nodes=world.nodes,
+        gpus_per_node=world.gpus_per_node,
+        micro_batch=md.micro_batch,
+        seq_len=md.seq_len,
+        grad_accum=cfg.gradient_accumulation_steps,
+        precision=cfg.param_dtype,
+        checkpointing=checkpointing,
+        checkpoint_style=checkpoint_style if checkpointing else None,
+    )
+    return per_rank_schedule(world.size, program, lowering.groups_of, meta)
+
+
+__all__ = ["STRATEGIES", "World", "generate", "generate_fsdp2", "GENERATOR_VERSION"]

@@ -116,6 +116,9 @@ class DeepSpeedConfig:
     gradient_accumulation_steps: int = 1
     train_batch_size: int | None = None
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    # ZeRO-1/2's overflow check before the step (engine._configure_zero_optimizer): fp16
+    # always, bf16 unless bf16.check_grad_overflow is false, fp32 never
+    check_grad_overflow: bool = False
     gradient_clipping: float = 0.0
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     activation_checkpointing: dict[str, Any] | None = None
@@ -236,6 +239,9 @@ def parse_ds_config(obj: Any, where: str = "ds_config") -> DeepSpeedConfig:
     if bf16.get("enabled") and fp16.get("enabled"):
         raise _bad(where, "bf16.enabled", "cannot be combined with fp16.enabled (DeepSpeed refuses both)")
     precision = "bf16" if bf16.get("enabled") else "fp16" if fp16.get("enabled") else "fp32"
+    check_overflow = bf16.get("check_grad_overflow", True)
+    if not isinstance(check_overflow, bool):
+        raise _bad(where, "bf16.check_grad_overflow", f"must be true or false, got {check_overflow!r}")
     micro = obj.get("train_micro_batch_size_per_gpu")
     if micro is not None:
         micro = _typed(where, "train_micro_batch_size_per_gpu", micro, "pos")
@@ -260,6 +266,7 @@ def parse_ds_config(obj: Any, where: str = "ds_config") -> DeepSpeedConfig:
         gradient_accumulation_steps=gas,
         train_batch_size=tbs,
         precision=precision,
+        check_grad_overflow=precision == "fp16" or (precision == "bf16" and check_overflow),
         gradient_clipping=float(clip),
         zero=parse_zero(obj.get("zero_optimization"), where),
         activation_checkpointing=ac,

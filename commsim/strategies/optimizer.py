@@ -41,12 +41,13 @@ _TORCH_PASSES = (
 
 
 def adam_step(b: ProgramBuilder, stream: str, label: str, n: int, state: tuple[str, ...], impl: str,
-              launch_ns: int) -> None:
-    """Adam over ``n`` fp32 elements whose param / exp_avg / exp_avg_sq / grad buffers are ``state``."""
+              launch_ns: int, deps: tuple[O.OpId, ...] = ()) -> None:
+    """Adam over ``n`` fp32 elements whose param / exp_avg / exp_avg_sq / grad buffers are
+    ``state``; its first kernel waits for ``deps`` (ops of other streams)."""
     assert impl in IMPLEMENTATIONS, impl
     if impl == "fused":
         b.host("launch", O.HostKind.LAUNCH, launch_ns)
-        b.compute(stream, label, O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n, buffers=state)
+        b.compute(stream, label, O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n, deps=deps, buffers=state)
         return
     temps = {"t1": f"{label}.t1", "t2": f"{label}.t2"}
     for name, flops, rd, wr, new in _TORCH_PASSES:
@@ -55,7 +56,9 @@ def adam_step(b: ProgramBuilder, stream: str, label: str, n: int, state: tuple[s
             b.alloc(temps[new], 4 * n, stream, f"{label} {new} (torch AdamW temporary)")
             bufs = state + (temps[new],)
         b.host("launch", O.HostKind.LAUNCH, launch_ns)
-        b.compute(stream, f"{label}.{name}", O.ComputeKind.OPTIMIZER, flops * n, rd * n, wr * n, buffers=bufs)
+        b.compute(stream, f"{label}.{name}", O.ComputeKind.OPTIMIZER, flops * n, rd * n, wr * n, deps=deps,
+                  buffers=bufs)
+        deps = ()
         if name == "denom_div":
             b.free(temps["t1"], stream, f"{label} t1")
     b.free(temps["t2"], stream, f"{label} t2")

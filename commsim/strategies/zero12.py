@@ -13,10 +13,20 @@ DeepSpeed's collectives recorded on CPUs: tests/runtime/test_deepspeed_fidelity.
 * stage 2: the same buckets filled by gradient hooks *during* backward, as gradients
   become ready, all-reduced on the reduction stream when ``overlap_comm`` (else on the
   compute stream); the last bucket at the end of backward;
+* stages 1 and 2, a gradient larger than the bucket is a bucket of its own, and
+  ``average_tensor`` cuts it where it crosses from one rank's partition into the
+  next: ``allreduce_and_scatter`` then all-reduces the pieces in order, closing an
+  all-reduce as soon as its pieces exceed ``reduce_bucket_size`` (so a gradient that
+  straddles two partitions and whose first piece alone exceeds the bucket is reduced
+  in two all-reduces); a bucket of smaller gradients never exceeds the bucket size and
+  is one all-reduce;
 * stages 1 and 2, optimizer (CPU Adam on the host with ``offload_optimizer: cpu``, the
-  gradient shares copied to the host as they are reduced): an overflow all-reduce (1 byte), the gradient-norm
-  all-reduce (4 bytes, fp32), Adam on this rank's fp32 partition, then one all-gather
-  of the updated 16-bit partitions (the whole model, padded to the world size).
+  gradient shares copied to the host as they are reduced): with fp16, or bf16 unless
+  ``bf16.check_grad_overflow`` is false, an overflow all-reduce (1 byte; fp32 runs no
+  overflow check: engine._configure_zero_optimizer), the gradient-norm all-reduce
+  (4 bytes, fp32), Adam on this rank's fp32 partition, then one all-gather of the
+  updated partitions (the whole flat model, padded to a multiple of twice the world
+  size: ``nccl_start_alignment_factor``).
 
 Stage 2 makes its gradient buffers afresh every step, and so does this lowering: the
 bucket buffer(s) (``setup_buckets``: ``torch.empty`` of ``reduce_bucket_size``
@@ -64,7 +74,15 @@ class Zero12Lowering:
         self.b = ProgramBuilder()
         self.params = md.registered_params()
         self.total = sum(p.numel for p in self.params)
-        self.padded_total = ceil(self.total / world_size) * world_size
+        # each parameter's start in the flat buffer (registration order)
+        self.offset: dict[str, int] = {}
+        at = 0
+        for p in self.params:
+            self.offset[p.name] = at
+            at += p.numel
+        # the flat buffer is padded to nccl_start_alignment_factor (2) x world size
+        align = 2 * world_size
+        self.padded_total = ceil(self.total / align) * align
         self.partition = self.padded_total // world_size if self.stage > 0 else self.total
         self.trace = [e for e in module_trace(md, checkpointing, checkpoint_style) if e.run]
         # stage 2 without offload (stage_1_and_2.py): the gradient bucket(s) and the
@@ -125,26 +143,57 @@ class Zero12Lowering:
             start = end
         return pieces
 
+    def _allreduce_pieces(self, p: ParamSpec) -> list[int]:
+        """Elements per all-reduce of an oversized gradient (stage_1_and_2.py
+        ``average_tensor`` cutting it at partition boundaries in the flat parameter
+        order, then ``allreduce_and_scatter`` closing an all-reduce once its pieces
+        exceed ``reduce_bucket_size``)."""
+        start = self.offset[p.name]
+        end = start + p.numel
+        cuts = [start] + [k * self.partition for k in range(start // self.partition + 1, self.W)
+                          if start < k * self.partition < end] + [end]
+        out, acc = [], 0
+        for a, z in zip(cuts, cuts[1:]):
+            acc += z - a
+            if acc > self.z.reduce_bucket_size:
+                out.append(acc)
+                acc = 0
+        if acc:
+            out.append(acc)
+        return out
+
     # ------------------------------------------------------------ reduction
     def _reduce(self, params: list[ParamSpec], label: str) -> None:
+        if self.stage in (1, 2) and len(params) == 1 and self._oversized(params[0]):
+            pieces = self._allreduce_pieces(params[0])
+            if len(pieces) > 1:
+                for k, elems in enumerate(pieces):
+                    self._reduce_elems(params, elems, f"{label}.{k}", first=k == 0, last=k == len(pieces) - 1)
+                return
+        self._reduce_elems(params, sum(p.numel for p in params), label)
+
+    def _reduce_elems(self, params: list[ParamSpec], elems: int, label: str, first: bool = True,
+                      last: bool = True) -> None:
+        """One all-reduce of ``elems`` elements of ``params``' gradients (all of them, or a
+        piece of a lone oversized gradient: ``first`` / ``last`` piece)."""
         b, c, s = self.b, self.costs, self.rs_stream
-        elems = sum(p.numel for p in params)
         wait = b.wait_stream(COMPUTE) if s != COMPUTE else ()
         in_ipg = self.ipg and not self._oversized(params[0])  # an oversized gradient is a bucket of its own
         bufs = (f"ipg_bucket{self.ipg_index}",) if in_ipg else tuple(f"grad:{p.name}" for p in params)
         if in_ipg:
             self.ipg_touch[self.ipg_index] = max(self.ipg_touch[self.ipg_index], elems * self.dt)
-        if self.stage == 2:
+        if self.stage == 2 and first:
             # average_tensor: the bucket divided by the world size in place, before the
             # per-rank all-reduces
+            whole = sum(p.numel for p in params)
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.compute(s, f"{label}.average", O.ComputeKind.ELEMENTWISE, elems, elems * self.dt, elems * self.dt,
+            b.compute(s, f"{label}.average", O.ComputeKind.ELEMENTWISE, whole, whole * self.dt, whole * self.dt,
                       deps=wait, buffers=bufs)
             wait = ()
         flat = None
         if self.stage in (1, 2):
             # allreduce_bucket flattens the bucket into a new tensor first (stage_1_and_2.py)
-            flat = f"arflat[{self.n_ar}]"
+            flat = f"arflat[{label}]"
             b.alloc(flat, elems * self.dt, s, f"{label} flattened bucket")
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.copy(s, f"{label}.flatten", O.CopyDirection.D2D, elems * self.dt, deps=wait, buffers=bufs + (flat,))
@@ -181,7 +230,7 @@ class Zero12Lowering:
                       keep * 4, buffers=bufs + ("grad32",))
         if flat is not None:
             b.free(flat, s, f"{label} flattened bucket")
-        if self.stage == 2:  # the full gradients are dropped once reduced
+        if self.stage == 2 and last:  # the full gradients are dropped once reduced
             for p in params:
                 b.free(f"grad:{p.name}", COMPUTE, f"gradient {p.name} (reduced)")
                 self.live_grads.discard(p.name)
@@ -253,8 +302,9 @@ class Zero12Lowering:
         b.phase = Phase.OPTIMIZER
         n = self.partition
         if self.stage in (1, 2):
-            b.reduce_to_host("optimizer.overflow_allreduce", 1, O.DType.UINT8, self.group, O.ReduceOp.MAX,
-                             c.collective_launch_ns, "overflow .item()")
+            if self.ds.check_grad_overflow:
+                b.reduce_to_host("optimizer.overflow_allreduce", 1, O.DType.UINT8, self.group, O.ReduceOp.MAX,
+                                 c.collective_launch_ns, "overflow .item()")
             if self.fresh_grads:
                 fp64_norms(b, COMPUTE, "optimizer.grad_norm", self._partition_pieces(), "grad_partition", self.dt,
                            c.launch_ns)

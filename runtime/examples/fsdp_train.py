@@ -1,50 +1,115 @@
 """Train a catalogue model with PyTorch FSDP2 (``fully_shard``) on CPUs (gloo) for a few steps.
 
-    torchrun --nproc-per-node 2 -m runtime.examples.fsdp_train --model tiny --steps 3 --seq 16
+    torchrun --nproc-per-node 2 -m runtime.examples.fsdp_train --model tiny --steps 3 --seq 16 \\
+        --fsdp-config fsdp.json
 
 Each transformer layer is its own FSDP unit, then the whole model (so embeddings and
-the LM head form the root unit), as FSDP users shard a transformer. Used under
-``commsim record`` to check that recording sees FSDP's collectives as it sees
-DeepSpeed's: parameter all-gathers per unit (forward, and again in backward with
-``reshard_after_forward``) and gradient reduce-scatters.
+the LM head form the root unit), as FSDP users shard a transformer, with the settings
+of ``--fsdp-config`` (commsim.strategies.fsdp2_config: the keys of ``fully_shard``'s
+arguments; the same file ``commsim schedule --strategy fsdp2 --fsdp-config`` reads).
+Used under ``commsim record`` by the fidelity tests (tests/runtime/test_fsdp2_fidelity.py)
+and by bench/validate_local.py (``--timings``). The optimizer is torch's AdamW.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import time
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny", help="a preset or a Hugging Face config.json (roberta family)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--fsdp-config", help="FSDP2 settings JSON (default: FSDP2's defaults)")
+    ap.add_argument("--no-checkpointing", action="store_true", help="no per-layer activation checkpointing")
+    ap.add_argument("--checkpoint-style", choices=("reentrant", "non_reentrant"), default="reentrant",
+                    help="torch.utils.checkpoint use_reentrant=True (Hugging Face's default) or False")
+    ap.add_argument("--timings", help="write per-step wall times (JSON) here, rank 0 only")
+    ap.add_argument("--mark-modules", action="store_true",
+                    help="under commsim record: insert a marker per module hook (which module sent what)")
     args = ap.parse_args()
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from commsim.models import resolve_model
+    from commsim.strategies.fsdp2_config import load_fsdp_config, parse_fsdp_config, shard_size
     from runtime.torch_models import build_model
 
+    fc = load_fsdp_config(args.fsdp_config) if args.fsdp_config else parse_fsdp_config({})
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    world = dist.get_world_size()
+    shard = shard_size(fc, world)
+    if fc.hsdp_replicas > 1:
+        # HSDP: a 2-D mesh, replicate x shard; shard groups are consecutive ranks
+        mesh = init_device_mesh("cpu", (fc.hsdp_replicas, shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
+    mp = MixedPrecisionPolicy(param_dtype=dtypes[fc.mp_param_dtype], reduce_dtype=dtypes[fc.mp_reduce_dtype])
+    offload = CPUOffloadPolicy(pin_memory=fc.offload_pin_memory) if fc.offload else OffloadPolicy()
     torch.manual_seed(0)
     cfg = resolve_model(args.model)
     model = build_model(cfg)
-    for layer in model.roberta.encoder.layer:
-        fully_shard(layer)
-    fully_shard(model)
+    if not args.no_checkpointing:
+        model.gradient_checkpointing_enable(use_reentrant=args.checkpoint_style == "reentrant")
+    layers = list(model.roberta.encoder.layer)
+    common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=fc.reshard_after_forward, **common)
+    fully_shard(model, reshard_after_forward=fc.root_reshard_after_forward, **common)
+    if fc.forward_prefetch:
+        for i, layer in enumerate(layers):
+            targets = layers[i + 1:i + 1 + fc.forward_prefetch]
+            if targets:
+                layer.set_modules_to_forward_prefetch(targets)
+    if fc.backward_prefetch:
+        for i, layer in enumerate(layers):
+            targets = layers[max(0, i - fc.backward_prefetch):i][::-1]
+            if targets:
+                layer.set_modules_to_backward_prefetch(targets)
+    if args.mark_modules:
+        from runtime.record import mark
+
+        for name, mod in model.named_modules():
+            mod.register_forward_pre_hook(lambda m, a, n=name: mark(f"fwd_pre:{n}"))
+            mod.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"bwd_pre:{n}"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
+    gas = fc.gradient_accumulation_steps
+    times = []
+    phase_times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}  # summed over micro-steps
     for _ in range(args.steps):
-        ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
-        loss = model(ids, labels=ids)
-        loss.backward()
+        t = time.perf_counter()
+        spent = dict.fromkeys(phase_times, 0.0)
+        for micro in range(gas):
+            if not fc.requires_gradient_sync:
+                # reduce only at the last micro-step (FSDP1's no_sync)
+                model.set_requires_gradient_sync(micro == gas - 1)
+            ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
+            t0 = time.perf_counter()
+            loss = model(ids, labels=ids)
+            t1 = time.perf_counter()
+            loss.backward()
+            spent["forward"] += t1 - t0
+            spent["backward"] += time.perf_counter() - t1
+        t0 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        spent["step"] = time.perf_counter() - t0
+        times.append(time.perf_counter() - t)
+        for k, v in spent.items():
+            phase_times[k].append(v)
+    if args.timings and dist.get_rank() == 0:
+        with open(args.timings, "w") as f:
+            json.dump({"step_times_s": times, "phase_times_s": phase_times}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -11,7 +11,7 @@ META = TraceMeta(TraceSource.PREDICTED, producer="test", schedule_hash="abc", ha
                  extra=(("mode", "symmetric"),))
 RECORDS = [
     TraceRecord(1, "compute", 3, "gemm", "layer0.fwd", 100, 250, 4096, 10**6, 0, "fwd"),
-    TraceRecord(0, "allgather", 2, "all_gather", "fetch", 0, 90, 8192, 0, 0),
+    TraceRecord(0, "allgather", 2, "all_gather", "fetch", 0, 90, 8192, 0, 0, "fwd", "bf16", "0,1"),
     TraceRecord(0, "host", 1, "host_python", "hook", 0, 5),
 ]
 
@@ -41,19 +41,29 @@ def test_chrome_trace_names_ranks_and_streams():
     json.dumps(chrome)  # serialisable
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version", [2, 4])
 def test_load_refuses_other_versions(tmp_path, version):
     obj = make_trace(META, RECORDS).to_dict()
     obj["schema_version"] = version
     path = tmp_path / "t.json"
     path.write_text(json.dumps(obj))
     with pytest.raises(ScheduleFormatError, match=rf"t.json: unsupported trace schema version {version}; "
-                       r"this commsim reads 2"):
+                       r"this commsim reads 3"):
         Trace.load(path)
 
 
-def test_phase_is_a_column():
+def test_phase_dtype_and_group_are_columns():
     t = make_trace(META, RECORDS)
-    assert t.to_dict()["columns"][-1] == "phase"
-    assert [r.phase for r in t.records] == ["other", "other", "fwd"]
-    assert list(t.to_dataframe()["phase"]) == ["other", "other", "fwd"]
+    assert t.to_dict()["columns"][-3:] == ["phase", "dtype", "group"]
+    assert [r.phase for r in t.records] == ["fwd", "other", "fwd"]
+    assert list(t.to_dataframe()["phase"]) == ["fwd", "other", "fwd"]
+    assert [(r.dtype, r.group) for r in t.records] == [("bf16", "0,1"), ("", ""), ("", "")]
+
+
+def test_a_collectives_columns_come_from_the_op():
+    from commsim.ir import ops as O
+
+    ag = O.Collective(O.OpId(1), "allgather", "ag", O.CollectiveKind.ALL_GATHER, 64, O.DType.FP16, (0, 2, 4))
+    mm = O.Compute(O.OpId(2), "compute", "mm", O.ComputeKind.ELEMENTWISE, 1, 1, 1)
+    assert O.collective_columns(ag) == ("fp16", "0,2,4")
+    assert O.collective_columns(mm) == ("", "")
