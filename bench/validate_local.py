@@ -95,6 +95,20 @@ GRID = [
     Row("DS small z3 nothing live", "small", 2, {"stage": 3, "stage3_param_persistence_threshold": 0,
                                                  "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
         preset="current", micro=2, runner="deepspeed"),
+    # real DeepSpeed on the two other families (not the model whose hooks calibration
+    # times), ZeRO-2 and ZeRO-3 with small buckets: many collectives and bucket flushes
+    Row("DS small-gpt2 z2 small buckets", "small-gpt2", 2, {"stage": 2, "reduce_bucket_size": 500000,
+                                                             "allgather_bucket_size": 500000},
+        preset="current", micro=2, runner="deepspeed"),
+    Row("DS small-gpt2 z3 small buckets", "small-gpt2", 2, {"stage": 3, "reduce_bucket_size": 200000,
+                                                             "stage3_prefetch_bucket_size": 100000},
+        preset="current", micro=2, runner="deepspeed"),
+    Row("DS small-llama z2 small buckets", "small-llama", 2, {"stage": 2, "reduce_bucket_size": 500000,
+                                                               "allgather_bucket_size": 500000},
+        preset="current", micro=2, runner="deepspeed"),
+    Row("DS small-llama z3 small buckets", "small-llama", 2, {"stage": 3, "reduce_bucket_size": 200000,
+                                                               "stage3_prefetch_bucket_size": 100000},
+        preset="current", micro=2, runner="deepspeed"),
     # real PyTorch FSDP2 (fp32, FSDP2's defaults; checkpointing as the other rows)
     Row("FSDP2 small", "small", 2, {}, micro=2, runner="fsdp2", fsdp={}),
     Row("FSDP2 small no reshard", "small", 2, {}, micro=2, runner="fsdp2", fsdp={"reshard_after_forward": False}),
@@ -336,7 +350,7 @@ def main() -> None:
             print(f"calibrating {key} ...", flush=True)
             calibrate(key, profiles[key], shape_files.get(key, []))
     results = []
-    print(f"{'row':<28}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}"
+    print(f"{'row':<34}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}"
           + ("   (each run)" if args.repeats > 1 else ""), flush=True)
     def with_host_costs(row: Row, profile: Path) -> None:
         if row.runner == "deepspeed":
@@ -365,7 +379,7 @@ def main() -> None:
         return path
 
     single_errs: list[float] = []
-    phase_errs: list[float] = []  # |error| of every phase (and communication) of every row
+    phase_errs: list[float] = []  # signed error of every phase (and communication) of every row
     phase_rows = 0
     for i, row in enumerate(rows):
         cfg_path = work / f"{'fsdp' if row.fsdp is not None else 'ds'}{i}.json"
@@ -420,28 +434,34 @@ def main() -> None:
         err = (pred - meas) / meas
         results.append((row, pred, meas, err))
         run_errs = [(p - m) / m for p, m in zip(preds, meass)]
-        single_errs += [abs(e) for e in run_errs]
+        single_errs += run_errs
         each = ", ".join(f"{e:+.1%}" for e in run_errs)
-        print(f"{row.name:<28}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}"
+        print(f"{row.name:<34}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}"
               + (f"   ({each})" if args.repeats > 1 else ""), flush=True)
         # each phase's mean prediction against its mean measurement, as for the step
         ph_err = {p: (statistics.fmean(a for a, _ in v) - statistics.fmean(b for _, b in v))
                   / statistics.fmean(b for _, b in v) for p, v in phase_runs.items() if statistics.fmean(b for _, b in v)}
-        phase_errs += [abs(e) for e in ph_err.values()]
+        phase_errs += list(ph_err.values())
         phase_rows += 1 if ph_err else 0
         ops = [o for o in op_pcts if o]
         print("    phases: " + ", ".join(f"{p} {e:+.1%}" for p, e in ph_err.items())
               + (f"; per op: median {statistics.fmean(o['p50'] for o in ops):+.0%}, "
                  f"p90 {statistics.fmean(o['p90'] for o in ops):+.0%}" if ops else ""), flush=True)
-    errs = [abs(e) for *_, e in results]
+    signed = [e for *_, e in results]
     print(f"(took {time.time() - t0:.0f} s; work files in {work})")
     if args.repeats > 1:
-        print(f"each run on its own: median |error| = {statistics.median(single_errs):.1%}  "
-              f"max |error| = {max(single_errs):.1%}  runs = {len(single_errs)}")
-    print(f"median |error| = {statistics.median(errs):.1%}  max |error| = {max(errs):.1%}  rows = {len(errs)}")
+        print("each run on its own: " + error_summary(single_errs) + f"  runs = {len(single_errs)}")
+    print(error_summary(signed) + f"  rows = {len(signed)}")
     if phase_errs:
-        print(f"phases: median |error| = {statistics.median(phase_errs):.1%}  max |error| = {max(phase_errs):.1%}  "
-              f"rows = {phase_rows}")
+        print("phases: " + error_summary(phase_errs) + f"  rows = {phase_rows}")
+
+
+def error_summary(signed: list[float]) -> str:
+    """Median and max |error|, and the bias: the mean signed error and how many were low."""
+    mags = [abs(e) for e in signed]
+    low = sum(e < 0 for e in signed)
+    return (f"median |error| = {statistics.median(mags):.1%}  max |error| = {max(mags):.1%}  "
+            f"mean signed error = {statistics.fmean(signed):+.1%} ({low} of {len(signed)} low)")
 
 
 if __name__ == "__main__":

@@ -140,8 +140,10 @@ def _build_fsdp2(sc: Scenario):
     md = describe_model(sc.model, micro, sc.seq, 4 if cfg.param_dtype == "fp32" else 2)
     # FSDP2's hooks are not measured: its launches and hook cost are the defaults
     # (today's PyTorch dispatch and DeepSpeed 0.19.8's module hook; knobs.HostCosts)
-    schedule = generate_fsdp2(md, world, cfg, checkpointing=sc.checkpointing, costs=_host_costs(sc, CURRENT.name),
+    costs, source = _host_costs(sc, CURRENT.name)
+    schedule = generate_fsdp2(md, world, cfg, checkpointing=sc.checkpointing, costs=costs,
                               checkpoint_style=sc.checkpoint_style)
+    schedule = replace(schedule, meta=replace(schedule.meta, host_costs=source))
     info = step_info(md, world.size, sc.nodes, cfg.gradient_accumulation_steps, sc.checkpointing,
                      cluster.node.price_usd_per_hour)
     return schedule, md, info, cfg.param_dtype
@@ -149,7 +151,7 @@ def _build_fsdp2(sc: Scenario):
 
 def build_schedule(sc: Scenario):
     """(schedule, model description, step info, precision) for a scenario that generates its schedule."""
-    from commsim.strategies import STRATEGIES, World, generate
+    from commsim.strategies import CURRENT, STRATEGIES, World, generate
     from commsim.strategies.dsconfig import check_batch
     from commsim.strategies.dsversions import apply_version_rules, version_of
     from commsim.strategies.knobs import knobs_from
@@ -180,26 +182,33 @@ def build_schedule(sc: Scenario):
     if ds.zero.stage == 3:
         ds, notes = apply_version_rules(ds, version)
         sc.warnings.extend(notes)
+    costs, source = _host_costs(sc, version.name if ds.zero.stage == 3 else CURRENT.name)
     schedule = generate(md, world, ds, knobs, checkpointing=sc.checkpointing, grad_accum=gas, preset=sc.preset,
-                        checkpoint_style=sc.checkpoint_style, version=version,
-                        costs=_host_costs(sc, version.name if ds.zero.stage == 3 else "0.19.8"))
+                        checkpoint_style=sc.checkpoint_style, version=version, costs=costs)
+    schedule = replace(schedule, meta=replace(schedule.meta, host_costs=source))
     info = step_info(md, world.size, sc.nodes, gas, sc.checkpointing, cluster.node.price_usd_per_hour)
     return schedule, md, info, ds.precision  # (the precision the release runs)
 
 
 def _host_costs(sc: Scenario, version: str):
-    """A scenario's own host costs; else those measured into the hardware profile, over
-    the DeepSpeed release's (``version``); else None: the generator's defaults."""
+    """(host costs, where they came from): a scenario's own; else those measured into
+    the hardware profile, over the DeepSpeed release's (``version``); else (None, ...):
+    the release's table, the generator's defaults."""
     from commsim.strategies.knobs import host_costs_for, host_costs_from
     from commsim.util.files import read_json
 
     if sc.host_costs is not None:
-        return sc.host_costs
+        return sc.host_costs, "given with the scenario"
+    table = f"DeepSpeed {version}'s table (commsim.strategies.knobs.HOST_COSTS)"
     if sc.hw_profile:
         obj = read_json(sc.hw_profile, CommsimInputError)
         if isinstance(obj, dict) and "host_costs" in obj:
-            return host_costs_from(obj["host_costs"], sc.hw_profile, host_costs_for(version))
-    return None
+            how = obj["host_costs"].get("source") if isinstance(obj["host_costs"], dict) else None
+            return (host_costs_from(obj["host_costs"], sc.hw_profile, host_costs_for(version)),
+                    f"measured into {sc.hw_profile}" + (f" ({how})" if how else "") + f", over {table}")
+    if sc.strategy == "fsdp2":
+        return None, f"{table}'s launches and module hook (FSDP2's own hooks are not measured)"
+    return None, table
 
 
 def describe_model(model: str, micro_batch: int, seq: int, dtype_bytes: int = 2):
@@ -354,6 +363,8 @@ def predict(sc: Scenario) -> Prediction:
                 f"{md.seq_len}, {precision}{', checkpointing' if sc.checkpointing else ''}")
     cost, hardware = cost_model(sc, precision)
     sources = check_profile_fits(cost, sc.hw_profile, sc, schedule, cluster) if sc.hw_profile else ()
+    if sc.hw_profile or sc.schedule:
+        sources += (f"host costs: {_host_costs_used(sc, schedule)}",)
     if sc.jitter is not None and sc.jitter < 0:
         raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
     try:
@@ -366,6 +377,23 @@ def predict(sc: Scenario) -> Prediction:
     scen = {k: v for k, v in sc.__dict__.items() if k not in ("warnings", "host_costs")}
     scen.update(_resolved(sc, schedule, cluster))
     return Prediction(scen, schedule, result, metrics, info, title, cost.hbm_bytes, hardware, sources)
+
+
+def _host_costs_used(sc: Scenario, schedule: Schedule) -> str:
+    """Where the schedule's host-op durations came from; a warning when a profile measured
+    host costs that a schedule file does not carry (a file's host ops are durations: they
+    cannot be priced again, only generated again)."""
+    used = schedule.meta.host_costs or "not recorded in the schedule (written before commsim recorded it)"
+    if not sc.schedule or not sc.hw_profile:
+        return used
+    from commsim.util.files import read_json
+
+    obj = read_json(sc.hw_profile, CommsimInputError)
+    if isinstance(obj, dict) and "host_costs" in obj and f"measured into {sc.hw_profile}" not in used:
+        sc.warnings.append(f"--hw-profile {sc.hw_profile}: its measured host costs do not reach --schedule "
+                           f"{sc.schedule} (its host ops were priced from: {used}); generate the schedule with "
+                           f"`commsim schedule --hw-profile {sc.hw_profile}` to use them")
+    return f"from the schedule file: {used}"
 
 
 def _resolved(sc: Scenario, schedule: Schedule, cluster) -> dict[str, Any]:

@@ -215,6 +215,44 @@ def test_predict_with_a_measured_profile(tmp_path):
     assert out.returncode == 2 and "missing.json: cannot read" in out.stderr
 
 
+def test_a_profiles_host_costs_reach_a_schedule_file_through_schedule_hw_profile(tmp_path):
+    """A profile's measured host costs price a schedule file's host ops only when the file
+    was generated with that profile (commsim schedule --hw-profile); predict says which
+    host costs it used and warns when a profile's measured ones cannot reach the file."""
+    from tests.hardware.test_costs import PROFILE
+
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({**PROFILE, "collectives": {
+        k: {"intra_node": {"2": {"latency_ns": 200000, "bytes_per_s": 1e9}}}
+        for k in ("all_gather", "reduce_scatter", "all_reduce")},
+        "host_costs": {"source": "timed", "module_hook_ns": 500_000, "grad_hook_ns": 90_000}}))
+    tiny = ["--model", "tiny", "--stage", "3", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2",
+            "--seq", "16"]
+    plain, measured = tmp_path / "plain.json", tmp_path / "measured.json"
+    assert run("schedule", *tiny, "-o", str(plain)).returncode == 0
+    out = run("schedule", *tiny, "--hw-profile", str(prof), "-o", str(measured))
+    assert out.returncode == 0, out.stderr
+    metas = [json.loads(p.read_text())["meta"]["host_costs"] for p in (plain, measured)]
+    assert metas == ["DeepSpeed 0.19.8's table (commsim.strategies.knobs.HOST_COSTS)",
+                     f"measured into {prof} (timed), over DeepSpeed 0.19.8's table "
+                     "(commsim.strategies.knobs.HOST_COSTS)"]
+    where = ["--nodes", "1", "--gpus-per-node", "2", "--hw-profile", str(prof)]
+    from_file = run("predict", "--schedule", str(measured), *where)
+    assert from_file.returncode == 0 and from_file.stderr == "", from_file.stderr
+    assert f"host costs: from the schedule file: {metas[1]}" in from_file.stdout
+    stale = run("predict", "--schedule", str(plain), *where)
+    assert stale.returncode == 0
+    assert stale.stderr.strip() == (
+        f"commsim: warning: --hw-profile {prof}: its measured host costs do not reach --schedule {plain} (its "
+        f"host ops were priced from: {metas[0]}); generate the schedule with `commsim schedule --hw-profile "
+        f"{prof}` to use them")
+    # the file with the measured (slower) hooks predicts the step the model path predicts
+    by_model = predict_json(*tiny, "--hw-profile", str(prof))
+    by_file = predict_json("--schedule", str(measured), *where)
+    by_stale = predict_json("--schedule", str(plain), *where)
+    assert by_file["step_time_s"] == by_model["step_time_s"] > by_stale["step_time_s"]
+
+
 def _refused(out) -> str:
     """The one line a refused command printed (exit 2, nothing on stdout)."""
     lines = out.stderr.strip().splitlines()
@@ -274,8 +312,10 @@ def test_the_report_says_what_came_from_the_profile(tmp_path):
                         "memory-bound kernels, copies, collectives (groups measured: 2 inside a node), "
                         "compute/communication contention, executor overheads, allocation costs, memory size (8.6 GB)")
     assert lines[2] == ("from cluster preset p4d: the world's shape (1 node(s) x 2 rank(s)) and the price per hour")
+    # the profile measured no host costs: the release's table priced the hooks
+    assert lines[3] == "host costs: DeepSpeed 0.19.8's table (commsim.strategies.knobs.HOST_COSTS)"
     res = predict_json(*TINY, "--hw-profile", str(prof))
-    assert res["hardware_sources"] == lines[1:3]
+    assert res["hardware_sources"] == lines[1:4]
     assert predict_json(*TINY)["hardware_sources"] == []  # a preset: everything from it
 
 

@@ -102,7 +102,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
                   nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                   stage=args.stage, preset=args.preset, knobs=tuple(args.knob or ()), ds_config=args.ds_config,
                   micro_batch=args.micro_batch, seq=args.seq, checkpointing=not args.no_checkpointing,
-                  checkpoint_style=args.checkpoint_style)
+                  checkpoint_style=args.checkpoint_style, hw_profile=args.hw_profile)
     schedule = build_schedule(sc)[0]
     for w in sc.warnings:
         warn(w)
@@ -148,4 +148,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_scenario_flags(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the schedule (.json, or .txt for the text form)")
     p.add_argument("--summary", action="store_true", help="print ops, collectives and bytes per phase and stream")
+    p.add_argument("--hw-profile", metavar="FILE",
+                   help="price the host ops (framework hooks, launches) with the host costs this profile measured "
+                   "(commsim calibrate --deepspeed-host-costs); the schedule records where its host costs came from")
     p.set_defaults(func=cmd_schedule)

@@ -54,6 +54,9 @@ class ScheduleMeta:
     # Several programs that are one program over each rank's own process groups (hpZ,
     # MiCS): the simulator may still simulate one rank for all of them.
     rank_symmetric: bool = False
+    # where the host ops' durations came from (a release's table, a measured profile);
+    # "" when not stated (schedules written before commsim recorded it)
+    host_costs: str = ""
 
     def knob(self, name: str) -> KnobValue | None:
         for key, value in self.knobs:

@@ -62,6 +62,9 @@ def op_to_dict(op: O.Op) -> dict[str, Any]:
 
 
 _META_PAIRS = ("knobs", "config")
+# Fields added to the meta after schedules were stored: written only when stated, so a
+# stored schedule's canonical form (and its hash, which traces cite) stays the same.
+_UNSTATED_OMITTED = ("host_costs",)
 
 
 def meta_to_dict(meta: ScheduleMeta) -> dict[str, Any]:
@@ -69,6 +72,8 @@ def meta_to_dict(meta: ScheduleMeta) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(ScheduleMeta):
         value = getattr(meta, f.name)
+        if f.name in _UNSTATED_OMITTED and value == f.default:
+            continue
         out[f.name] = dict(value) if f.name in _META_PAIRS else value
     return out
 

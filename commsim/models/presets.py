@@ -32,6 +32,13 @@ MODEL_PRESETS: dict[str, TransformerConfig] = {
                           max_positions=258, type_vocab=1),
         TransformerConfig("medium", family="roberta", layers=6, hidden=768, heads=12, ffn=3072, vocab=8000,
                           max_positions=258, type_vocab=1),
+        # The small model's size in the other two families (GPT-2: fused QKV Conv1D, GELU MLP,
+        # tied LM head; Llama: RMSNorm, rotary, grouped-query attention, SwiGLU with the
+        # 2/3 x 4h width rounded up to a multiple of 64, as Meta's configs round to 256)
+        TransformerConfig("small-gpt2", family="gpt2", layers=4, hidden=512, heads=8, ffn=2048, vocab=8000,
+                          max_positions=256),
+        TransformerConfig("small-llama", family="llama", layers=4, hidden=512, heads=8, kv_heads=4, ffn=1408,
+                          vocab=8000, max_positions=256, tie_embeddings=False),
         # Tiny models for tests and local runs (a few hundred thousand parameters).
         TransformerConfig("tiny", family="roberta", layers=2, hidden=64, heads=4, ffn=256, vocab=1000,
                           max_positions=130, type_vocab=1),
