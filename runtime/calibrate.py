@@ -18,6 +18,8 @@ Measured:
   another (gloo's reduce-scatter, for one, costs an all-reduce), per group size and
   placement: the whole job, and when it spans nodes also every node's ranks together
   (inside a node) and one rank of each node (across nodes), all groups of a kind at once;
+  on CPU backends also how long each call holds the calling thread before it returns
+  (``call_points``: gloo's reduce-scatter does about half its work on the caller's thread);
 * how much slower compute runs while a collective is in flight, and the reverse (a
   collective's bandwidth and its latency separately): on GPUs with the kernels and the
   collectives on two streams of their own, overlapping on the device;
@@ -287,19 +289,36 @@ class Calibrator:
         return out
 
     # ------------------------------------------------------------ collectives
-    def _collective(self, kind: str, nbytes: int, group: Any = None, p: int | None = None) -> Callable[[], Any]:
+    def _collective(self, kind: str, nbytes: int, group: Any = None, p: int | None = None,
+                    async_op: bool = False) -> Callable[[], Any]:
         p = p or self.world
         n = max(p, nbytes // 4 // p * p)
         buf = torch.ones(n, dtype=torch.float32, device=self.device)
         shard = torch.ones(n // p, dtype=torch.float32, device=self.device)
         if kind == "all_gather":
-            return lambda: all_gather(buf, shard, group=group)
+            return lambda: all_gather(buf, shard, group=group, async_op=async_op)
         if kind == "reduce_scatter":
-            return lambda: reduce_scatter(shard, buf, group=group)
+            return lambda: reduce_scatter(shard, buf, group=group, async_op=async_op)
         if kind == "all_reduce":
-            return lambda: dist.all_reduce(buf, group=group)
+            return lambda: dist.all_reduce(buf, group=group, async_op=async_op)
         src = 0 if group is None else dist.get_global_rank(group, 0)
-        return lambda: dist.broadcast(buf, src=src, group=group)
+        return lambda: dist.broadcast(buf, src=src, group=group, async_op=async_op)
+
+    def _call_s(self, kind: str, nbytes: int, group: Any, p: int) -> float:
+        """Seconds the backend's call holds the calling thread (async_op=True, until it
+        returns), the mean over a batch; the collective is then waited for. gloo does part
+        of some collectives on the caller's thread (its reduce-scatter: about half)."""
+        start = self._collective(kind, nbytes, group, p, async_op=True)
+        held: list[float] = []
+
+        def call() -> None:
+            t = time.perf_counter()
+            work = start()
+            held.append(time.perf_counter() - t)
+            work.wait()
+
+        self._together(call, self.comm_timer)
+        return self.agree(statistics.fmean(held[1:] or held))  # (the first call is the warm-up)
 
     def collectives(self) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
         """kind -> placement -> group size -> fit, for every group set (``group_sets``)."""
@@ -317,9 +336,11 @@ class Calibrator:
                 pts = [(float(s), self._together(self._collective(kind, s, group, gs.size), self.comm_timer))
                        for s in sizes]
                 a, bw = _latency_bandwidth(pts)
-                out[kind].setdefault(gs.placement, {})[str(gs.size)] = {
+                fit = out[kind].setdefault(gs.placement, {})[str(gs.size)] = {
                     "latency_ns": int(a * 1e9), "bytes_per_s": bw, "points": [[int(x), y] for x, y in pts],
                     "concurrent_groups": len(gs.groups)}
+                if not self.queued:  # CPU backends: the call may hold the host thread (a GPU's call only enqueues)
+                    fit["call_points"] = [[int(s), self._call_s(kind, s, group, gs.size)] for s in sizes]
                 where = "inside a node" if gs.placement == INTRA_NODE else "across nodes"
                 self.log(f"{kind} over {gs.size} ranks {where} ({len(gs.groups)} group(s) at once): "
                          f"{a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")

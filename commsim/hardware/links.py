@@ -37,3 +37,6 @@ class CollectivePlan:
     demands: tuple[tuple[Link, float], ...]  # (link, bytes) pairs
     sms: int = 0  # SMs each member GPU gives the collective's CTAs while it runs (NCCL: one per channel)
     hbm_bytes: float = 0.0  # bytes it moves through each member GPU's HBM
+    # host time the backend's call holds the calling thread before it returns (gloo's
+    # reduce-scatter works on the caller's thread; NCCL's call only enqueues: 0)
+    call_ns: int = 0

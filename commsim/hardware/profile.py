@@ -98,6 +98,17 @@ class CollectiveFit:
     latency_ns: int
     bytes_per_s: float
     points: tuple[tuple[float, float], ...] = ()  # measured (bytes, seconds), ascending
+    # measured (bytes, seconds) of the call alone (async_op=True until it returns): the
+    # time the backend holds the calling thread; () where not measured (GPUs: an enqueue)
+    call_points: tuple[tuple[float, float], ...] = ()
+
+    def call_seconds(self, size_bytes: float) -> float:
+        """Host time of the call: piecewise linear between measured sizes (0 unmeasured)."""
+        if not self.call_points:
+            return 0.0
+        if len(self.call_points) < 2:
+            return self.call_points[0][1]
+        return max(0.0, _piecewise(self.call_points, size_bytes))
 
     def seconds(self, size_bytes: float) -> float:
         """Transfer time beyond the latency: piecewise linear between measured sizes,
@@ -293,7 +304,8 @@ class HardwareProfile:
         seconds = fit.seconds(op.size_bytes)
         nodes = sorted({self.node_of(r) for r in op.group})
         return CollectivePlan(f"measured/{where}/{size}", fit.latency_ns,
-                              tuple((Link(LinkKind.CHANNEL, n), seconds * _LINK_UNITS_PER_S) for n in nodes))
+                              tuple((Link(LinkKind.CHANNEL, n), seconds * _LINK_UNITS_PER_S) for n in nodes),
+                              call_ns=int(fit.call_seconds(op.size_bytes) * 1e9))
 
 
 def _num(obj: dict[str, Any], key: str, where: str, positive: bool = True) -> float:
@@ -418,12 +430,15 @@ def _collectives(table: Any, where: str) -> dict[str, dict[tuple[str, int], Coll
                 w = f"{where}: collectives.{kind}.{place}.{p}"
                 if not str(p).isdigit() or int(p) < 2 or not isinstance(fit, dict):
                     raise CommsimInputError(f"{w}: group sizes are integers >= 2, each with a fit object")
-                points = fit.get("points", [])
-                if not isinstance(points, list) or not all(isinstance(q, list) and len(q) == 2 for q in points):
-                    raise CommsimInputError(f"{w}: points must be a list of [bytes, seconds] pairs")
+                pts = {}
+                for key in ("points", "call_points"):
+                    q = fit.get(key, [])
+                    if not isinstance(q, list) or not all(isinstance(x, list) and len(x) == 2 for x in q):
+                        raise CommsimInputError(f"{w}: {key} must be a list of [bytes, seconds] pairs")
+                    pts[key] = tuple(sorted((float(a), float(b)) for a, b in q))
                 colls[kind][(place, int(p))] = CollectiveFit(int(_num(fit, "latency_ns", w, positive=False)),
-                                                             _num(fit, "bytes_per_s", w),
-                                                             tuple(sorted((float(a), float(b)) for a, b in points)))
+                                                             _num(fit, "bytes_per_s", w), pts["points"],
+                                                             pts["call_points"])
     return colls
 
 

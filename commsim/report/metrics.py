@@ -28,7 +28,7 @@ STALL_CAUSES = ("all_gather", "reduce_scatter", "other_comm", "straggler", "host
 _HOST_REASON = {
     "all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "other_comm": "other_comm",
     "allocator_flush": "allocator_flush", "allocator": "allocator", "copy": "other", "sync": "host",
-    "device_sync": "host", "launch_queue": "host",
+    "device_sync": "host", "launch_queue": "host", "collective_call": "host",
 }
 
 

@@ -7,7 +7,9 @@ calls, so they reach the backend in the order the host issued them (a ticket eac
 whatever stream they are on. On a node whose ranks outnumber its cores, the host thread
 runs its kernels on a time-sliced core (``cpu_scheduler``) and the cores are shared
 instead of kernels being slowed by a factor; otherwise kernels run slower while a
-collective is in flight, and slow the node's links while they run.
+collective is in flight, and slow the node's links while they run. A collective's call
+can hold the host thread (gloo's reduce-scatter works on the caller's thread): the host
+pays that measured time before its next op.
 """
 
 from __future__ import annotations
@@ -63,6 +65,15 @@ class CpuRank(RankSim):
         if self.sim.config.keep_trace:
             self.result.records.append(r)
         done.succeed(op.id)
+
+    def _collective(self, op: O.Collective, seq: int):
+        # The backend's call holds the calling (host) thread for a measured time while
+        # the collective runs (gloo's reduce-scatter, say); the host pays it before its
+        # next op. The collective's own time, measured from the call, already includes it.
+        call_ns = self.cost.collective(op).call_ns
+        if call_ns:
+            self.host_debt_ns += self._speed(call_ns)
+        return (yield from super()._collective(op, seq))
 
     def await_ticket(self, ticket: int):
         """A collective goes to the backend only after every collective the host issued

@@ -72,6 +72,9 @@ class RankSim:
         self.noise_x = self.rng.gauss(0.0, self.noise_sd) if self.noise_sd else 0.0
         self.noise_t = 0
         self.finished_issuing = False
+        # host time owed to collective calls that hold the calling thread (CPU backends):
+        # paid before the host's next op, or absorbed by a wait it was blocked in anyway
+        self.host_debt_ns = 0
         self.stream_comm = sim.stream_comm(self.program)
         # host-time jitter: drawn per op in per-rank mode; in symmetric mode the expected
         # lateness of a collective's slowest member (lateness.py)
@@ -136,6 +139,11 @@ class RankSim:
         host_t = env.now
         issue_ns = self.cost.issue_ns
         for op in self.program.step:
+            if self.host_debt_ns:
+                t = max(host_t, env.now)
+                self.result.host_blocks.append(HostBlock(t, t + self.host_debt_ns, "collective_call"))
+                host_t = t + self.host_debt_ns
+                self.host_debt_ns = 0
             if issue_ns and isinstance(op, O.DEVICE_OP_TYPES):
                 host_t += issue_ns  # the host's own cost of handing the op to its stream
             if isinstance(op, O.HostWork):
@@ -162,6 +170,8 @@ class RankSim:
                     yield from self._block(pending)
                 if env.now > t0:
                     self.result.host_blocks.append(HostBlock(t0, env.now, self._sync_reason(evs)))
+                    # calls made while the host waited ran in the wait
+                    self.host_debt_ns = max(0, self.host_debt_ns - (env.now - t0))
                 if rec:
                     self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
             elif isinstance(op, O.Alloc):

@@ -123,6 +123,29 @@ def test_profile_costs(tmp_path):
         p.collective(ar)
 
 
+def test_profile_collective_call_holds_the_host_by_measured_size(tmp_path):
+    """call_points (CPU backends): how long the call holds the calling thread,
+    interpolated by size; none measured: the call costs the host nothing here."""
+    path = tmp_path / "p.json"
+    rs_fit = {"latency_ns": 250000, "bytes_per_s": 5e8, "call_points": [[1 << 20, 0.002], [32 << 20, 0.032]]}
+    path.write_text(json.dumps({**PROFILE, "collectives": {**PROFILE["collectives"],
+                                                           "reduce_scatter": {"intra_node": {"2": rs_fit}}}}))
+    p = load_profile(path)
+
+    def rs(nbytes):
+        return O.Collective(O.OpId(1), "r", "x", O.CollectiveKind.REDUCE_SCATTER, nbytes, O.DType.FP32, (0, 1),
+                            reduce_op=O.ReduceOp.SUM)
+
+    assert p.collective(rs(1 << 20)).call_ns == 2_000_000
+    assert p.collective(rs((1 << 20) + (31 << 20) // 2)).call_ns == 17_000_000  # halfway: linear
+    assert p.collective(ag(10**6, (0, 1))).call_ns == 0  # all-gather: not measured
+    path.write_text(json.dumps({**PROFILE, "collectives": {"reduce_scatter": {"intra_node": {"2": {
+        **rs_fit, "call_points": [[1, 2, 3]]}}}}}))
+    with pytest.raises(CommsimInputError, match=r"collectives.reduce_scatter.intra_node.2: call_points must be a "
+                                                r"list of \[bytes, seconds\] pairs"):
+        load_profile(path)
+
+
 def test_profile_measured_gemm_shapes_take_precedence(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({**PROFILE, "gemm_shapes_by_dtype": {"fp32": [[512, 8000, 512, 1, 2e10]],

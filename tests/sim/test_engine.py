@@ -187,6 +187,36 @@ def test_cpu_collectives_reach_the_backend_in_issue_order():
         (0, 104, 0, "reduce", "rs3"), (0, 202, 0, AG, "ag1"), (202, 312, 0, AG, "ag2")]
 
 
+class _CallHolds(FixedCosts):
+    """FixedCosts whose collectives hold the calling thread for ``call_ns``."""
+
+    call_ns = 0
+
+    def collective(self, op):
+        return replace(super().collective(op), call_ns=self.call_ns)
+
+
+def test_a_cpu_collective_call_holds_the_host_thread():
+    """gloo's reduce-scatter works on the caller's thread for part of its time: the host
+    pays that before its next op, or not at all when it was waiting anyway; a GPU's call
+    only enqueues."""
+    costs = _CallHolds()
+    costs.platform, costs.call_ns = CPU, 30
+    prog = Program((), (coll(1, 100, (0,)), comp(2, 10), comp(3, 10)))
+    res = run(Schedule.uniform(1, prog), costs=costs)
+    # ag1 is called at 0 and runs 100 ns; the host reaches c2 at once (the debt is paid
+    # before the host's *next* op), then pays 30 ns before c3
+    assert events(res) == [(0, 10, 0, C, "c2"), (0, 100, 0, AG, "ag1"), (40, 50, 0, C, "c3")]
+    assert [(hb.start_ns, hb.end_ns, hb.reason) for hb in res.ranks[0].host_blocks] == [(10, 40, "collective_call")]
+    # the host waits for ag1 right away: the call ran during the wait, nothing more to pay
+    wait = O.HostSync(O.OpId(2), "wait", O.SyncScope.OPS, deps=(O.OpId(1),))
+    res = run(Schedule.uniform(1, Program((), (coll(1, 100, (0,)), wait, comp(3, 10)))), costs=costs)
+    assert events(res) == [(0, 100, 0, AG, "ag1"), (100, 110, 0, C, "c3")]
+    costs.platform = GPU
+    res = run(Schedule.uniform(1, prog), costs=costs)
+    assert events(res) == [(0, 10, 0, C, "c2"), (0, 100, 0, AG, "ag1"), (10, 20, 0, C, "c3")]
+
+
 def test_host_malloc_costs_every_allocation():
     costs = FixedCosts()
     costs.platform = replace(GPU, memory=MemoryModel.MALLOC)
