@@ -39,6 +39,7 @@ class Scenario:
     nodes: int = 8
     gpus_per_node: int | None = None  # None: the cluster's
     net: str | None = None  # None: the cluster's own fabric
+    nccl_stack: str | None = None  # None: the cluster's own software stack (hardware.stacks.STACKS)
     stage: int | None = None  # None: the config's, else 3
     preset: str = "current"  # DeepSpeed 0.19.8; "baseline" = 0.5.10, "optimized" = 0.6.0
     knobs: tuple[str, ...] = ()  # NAME=VALUE overrides
@@ -134,7 +135,7 @@ def _build_fsdp2(sc: Scenario):
         raise CommsimInputError(f"{', '.join(given)}: DeepSpeed settings; --strategy fsdp2 takes its settings from "
                                 "--fsdp-config")
     cfg = _fsdp_config(sc)
-    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
+    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
     world = World(sc.nodes, cluster.node.gpus_per_node)
     micro = sc.micro_batch or 16  # the seed scenario's
     md = describe_model(sc.model, micro, sc.seq, 4 if cfg.param_dtype == "fp32" else 2)
@@ -166,7 +167,7 @@ def build_schedule(sc: Scenario):
     if sc.stage is not None and sc.ds_config is not None and sc.stage != ds.zero.stage:
         raise CommsimInputError(f"--stage {sc.stage} contradicts {where}: zero_optimization.stage {ds.zero.stage}")
     sc.warnings.extend(ds.warnings)
-    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
+    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
     world = World(sc.nodes, cluster.node.gpus_per_node)
     micro, gas = check_batch(ds, world.size, where)
     if sc.micro_batch is not None:
@@ -253,7 +254,7 @@ def cost_model(sc: Scenario, precision: str) -> tuple[CostModel, str]:
 
         prof = load_profile(sc.hw_profile, precision)
         return prof, f"profile {sc.hw_profile}"
-    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
+    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
     return SpecCostModel(cluster, precision), cluster.name
 
 
@@ -342,7 +343,7 @@ def _profile_sources(prof: Any, path: str, sc: Scenario, schedule: Schedule, clu
 
 def predict(sc: Scenario) -> Prediction:
     """Generate (or load) the schedule, simulate it, compute the metrics."""
-    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node)
+    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
     if sc.schedule:
         from commsim.ir.validate import check_valid
         from commsim.ir.load import load_schedule_any
@@ -414,7 +415,8 @@ def scenario_from_args(args: Any) -> Scenario:
     """The CLI's predict flags as a Scenario."""
     return Scenario(
         model=args.model, strategy=args.strategy, fsdp_config=args.fsdp_config, cluster=args.cluster, nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node, net=args.net, stage=args.stage, preset=args.preset,
+        gpus_per_node=args.gpus_per_node, net=args.net, nccl_stack=getattr(args, "nccl_stack", None),
+        stage=args.stage, preset=args.preset,
         knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
         checkpointing=not args.no_checkpointing, checkpoint_style=args.checkpoint_style, schedule=args.schedule, hw_profile=args.hw_profile,
         mode=args.mode, seed=args.seed, jitter=args.jitter, extrapolate=getattr(args, "extrapolate", False),

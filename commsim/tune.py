@@ -247,7 +247,7 @@ def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max
     """Search ``dimensions`` (default: all that apply) from ``base``; see the module doc."""
     from commsim.hardware.specs import cluster_preset
 
-    cluster = cluster_preset(base.cluster, base.nodes, base.net, base.gpus_per_node)
+    cluster = cluster_preset(base.cluster, base.nodes, base.net, base.gpus_per_node, base.nccl_stack)
     gpn = cluster.node.gpus_per_node
     space = (_fsdp2_space if base.strategy == "fsdp2" else _deepspeed_space)(base, dimensions, gpn)
     cache: dict[str, Evaluation] = {}

@@ -253,6 +253,14 @@ def test_a_profiles_host_costs_reach_a_schedule_file_through_schedule_hw_profile
     assert by_file["step_time_s"] == by_model["step_time_s"] > by_stale["step_time_s"]
 
 
+def test_nccl_stack_picks_the_software_stack():
+    out = run("predict", *TINY, "--nodes", "2", "--net", "efa", "--nccl-stack", "2023")
+    assert out.returncode == 0, out.stderr
+    assert "(EFA 4x100Gb/s; NCCL 2.18.5 + aws-ofi-nccl 1.7.3)" in out.stdout.splitlines()[0]
+    assert _refused(run("predict", "--nccl-stack", "2019")) == \
+        "commsim: error: --nccl-stack '2019': allowed: early-2022, 2023, 2025"
+
+
 def _refused(out) -> str:
     """The one line a refused command printed (exit 2, nothing on stdout)."""
     lines = out.stderr.strip().splitlines()

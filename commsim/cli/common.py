@@ -88,6 +88,10 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
 def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> None:
     """The fabric and measured profile (predict, sweep, tune), and the simulation mode flags."""
     p.add_argument("--net", choices=("efa", "ib"), help="inter-node fabric: efa or ib (default: the cluster's own)")
+    p.add_argument("--nccl-stack", metavar="STACK",
+                   help="software stack instead of the cluster's own: early-2022 (NCCL 2.11, aws-ofi-nccl 1.2), 2023 "
+                   "(NCCL 2.18.5, aws-ofi-nccl 1.7.3) or 2025 (NCCL 2.27.7, aws-ofi-nccl 1.16.3): NCCL's algorithms, "
+                   "protocols and channels, and the EFA plugin's settings (commsim/hardware/stacks.py)")
     p.add_argument("--hw-profile", metavar="FILE",
                    help="measured hardware profile (from commsim calibrate): its machine replaces the cluster's "
                    "hardware; the cluster lends only the world's shape and price, and naming another --cluster or a "
