@@ -261,6 +261,22 @@ def primitives(torch) -> dict:
             "c10d_all_gather_ns": round(c10d)}
 
 
+def count_queue_pops(module, rec: Recorder) -> None:
+    """Count the trace-queue pops of a release's coordinator ``module``: its ``collections``
+    name replaced by a copy whose deque counts ``popleft`` (the module's own code is
+    untouched, and other modules keep the real deque)."""
+    base = collections.deque
+
+    class CountingDeque(base):
+        def popleft(self):
+            rec.count("scanned")
+            return base.popleft(self)
+
+    module.collections = types.SimpleNamespace(**{k: getattr(collections, k) for k in dir(collections)
+                                                  if not k.startswith("__")})
+    module.collections.deque = CountingDeque
+
+
 def count_waits(pp, rec: Recorder) -> None:
     """Count the parameters whose gather a fetch completes: a coalesced handle's first
     wait() unflattens each of its parameters (a loop over the ranks each), so that cost
@@ -442,17 +458,7 @@ class OldRelease:
                 return orig_free(param)
 
             self.pp.free_param = free
-            # queue pops: the deque's popleft, counted through a subclass
-            base = collections.deque
-
-            class CountingDeque(base):
-                def popleft(self):
-                    rec.count("scanned")
-                    return base.popleft(self)
-
-            s3.collections = types.SimpleNamespace(**{k: getattr(collections, k) for k in dir(collections)
-                                                      if not k.startswith("__")})
-            s3.collections.deque = CountingDeque
+            count_queue_pops(s3, rec)
             count_waits(self.pp, rec)
         else:
             orig_one = init._allgather_param
@@ -627,16 +633,7 @@ class CurrentRelease:
             p.partition = part
         import deepspeed.runtime.zero.partitioned_param_coordinator as ppc
 
-        base = collections.deque
-
-        class CountingDeque(base):
-            def popleft(self):
-                rec.count("scanned")
-                return base.popleft(self)
-
-        ppc.collections = types.SimpleNamespace(**{k: getattr(collections, k) for k in dir(collections)
-                                                   if not k.startswith("__")})
-        ppc.collections.deque = CountingDeque
+        count_queue_pops(ppc, rec)
         count_waits(pp, rec)
         grad_hook = "reduce_independent_p_g_buckets_and_remove_grads"
         setattr(zopt, grad_hook, rec.wrap("grad_hook", getattr(zopt, grad_hook), None))

@@ -1,9 +1,10 @@
 """Real torch modules for the catalogue's families, with Hugging Face's module tree.
 
-``build_model(cfg)`` returns an ``nn.Module`` whose submodule names, parameter
-registration and forward order mirror ``RobertaForMaskedLM`` (and, for gpt2 / llama,
-``GPT2LMHeadModel`` / ``LlamaForCausalLM``), so that DeepSpeed's ZeRO-3 hooks see the
-same tree they would see on the Hugging Face model, without needing ``transformers``.
+``build_model(cfg)`` returns an ``nn.Module``: for roberta / bert one whose submodule
+names, parameter registration and forward order mirror ``RobertaForMaskedLM``, so that
+DeepSpeed's ZeRO-3 hooks see the same tree they would see on the Hugging Face model
+without needing ``transformers``; for gpt2 / llama Hugging Face's own
+``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (``transformers`` required).
 Used to run real DeepSpeed on CPUs (fidelity tests, local validation)
 and as an example of the ``module:function`` models that ``commsim.models.torch_walk`` reads.
 """
@@ -166,7 +167,56 @@ class RobertaForMaskedLM(nn.Module):
 
 
 def build_model(cfg: TransformerConfig) -> nn.Module:
+    """The family's module: this file's RoBERTa, or Hugging Face's own GPT-2 / Llama
+    (``transformers``, eager attention) with the training scripts' calling convention."""
+    if cfg.family in ("gpt2", "llama"):
+        return _hf_causal_lm(cfg)
     return RobertaForMaskedLM(cfg)
+
+
+def import_for(cfg: TransformerConfig) -> None:
+    """Import what building ``cfg``'s model needs, before DeepSpeed's ``zero.Init`` patches
+    ``torch.Tensor.__new__``: importing torch._dynamo (which transformers does on first
+    use) under that patch fails its polyfill signature check."""
+    if cfg.family in ("gpt2", "llama"):
+        import torch._dynamo  # noqa: F401
+        import transformers
+
+        transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM  # resolve the lazy modules now
+
+
+def _hf_causal_lm(cfg: TransformerConfig) -> nn.Module:
+    """``GPT2LMHeadModel`` / ``LlamaForCausalLM`` built from a catalogue config; a subclass
+    only to take ``model(ids, labels=ids)`` -> loss and ``gradient_checkpointing_enable(
+    use_reentrant=...)`` as the other models do (the module tree is Hugging Face's)."""
+    import transformers as T
+
+    if cfg.family == "gpt2":
+        hf = T.GPT2Config(vocab_size=cfg.vocab, n_positions=cfg.max_positions, n_embd=cfg.hidden,
+                          n_layer=cfg.layers, n_head=cfg.heads, n_inner=cfg.ffn,
+                          tie_word_embeddings=cfg.tie_embeddings)
+        base = T.GPT2LMHeadModel
+    else:
+        hf = T.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+                           num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                           num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=cfg.max_positions,
+                           tie_word_embeddings=cfg.tie_embeddings)
+        base = T.LlamaForCausalLM
+    for name, p in (("resid_pdrop", cfg.hidden_dropout), ("embd_pdrop", cfg.hidden_dropout),
+                    ("attn_pdrop", cfg.attention_dropout)):
+        if p is not None and hasattr(hf, name):
+            setattr(hf, name, p)
+    hf._attn_implementation = "eager"  # the kernels commsim's catalogue lists
+
+    class CausalLM(base):
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            out = super().forward(input_ids=ids, labels=labels)
+            return out.loss if labels is not None else out.logits
+
+        def gradient_checkpointing_enable(self, use_reentrant: bool = True) -> None:
+            super().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+    return CausalLM(hf)
 
 
 def tiny() -> nn.Module:

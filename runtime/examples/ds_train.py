@@ -44,7 +44,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from commsim.models import resolve_model
-    from runtime.torch_models import build_model
+    from runtime.torch_models import build_model, import_for
 
     with open(args.ds_config) as f:
         ds_cfg = json.load(f)
@@ -69,6 +69,7 @@ def main() -> None:
     if stage == 3:
         # dtype from the config: DeepSpeed 0.19's Init(dtype=...) on the CPU accelerator
         # ignores an explicit dtype (an operator-precedence slip) and picks bf16
+        import_for(cfg)
         with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
             model = build_model(cfg)
     else:
