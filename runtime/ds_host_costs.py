@@ -261,6 +261,20 @@ def primitives(torch) -> dict:
             "c10d_all_gather_ns": round(c10d)}
 
 
+def count_gathers(model, rec: Recorder) -> None:
+    """Count the parameters each ``all_gather_coalesced`` call gathers (every parameter's
+    bound method wrapped; the call itself unchanged)."""
+    for _, p in model.named_parameters():
+        f = p.all_gather_coalesced
+
+        def agc(params, *a, _f=f, **k):
+            params = list(params)
+            rec.count("gathered", len(params))
+            return _f(params, *a, **k)
+
+        p.all_gather_coalesced = agc
+
+
 def count_queue_pops(module, rec: Recorder) -> None:
     """Count the trace-queue pops of a release's coordinator ``module``: its ``collections``
     name replaced by a copy whose deque counts ``popleft`` (the module's own code is
@@ -442,15 +456,7 @@ class OldRelease:
             setattr(opt, name, rec.wrap("release", getattr(opt, name), n_params))
         # what a hook did: parameters gathered, released, examined for prefetch
         if self.new:
-            for _, p in opt.module.named_parameters():
-                f = p.all_gather_coalesced
-
-                def agc(params, *a, _f=f, **k):
-                    params = list(params)
-                    rec.count("gathered", len(params))
-                    return _f(params, *a, **k)
-
-                p.all_gather_coalesced = agc
+            count_gathers(opt.module, rec)
             orig_free = self.pp.free_param
 
             def free(param):
@@ -615,15 +621,8 @@ class CurrentRelease:
             setattr(off, name, rec.wrap("release", getattr(off, name), n_params))
         import deepspeed.runtime.zero.partition_parameters as pp
 
+        count_gathers(model, rec)
         for _, p in model.named_parameters():
-            f = p.all_gather_coalesced
-
-            def agc(params, *a, _f=f, **k):
-                params = list(params)
-                rec.count("gathered", len(params))
-                return _f(params, *a, **k)
-
-            p.all_gather_coalesced = agc
             g = p.partition
 
             def part(*a, _g=g, **k):
