@@ -315,7 +315,8 @@ class NcclModel:
             if proto == "LL":
                 bus = min(ll_max, bus * (0.25 if (n > 1 or kind is AR) else 1 / 3))
             elif proto == "LL128":
-                bus = min(bus * (0.7 if g < 2 else 0.92), channels * t.ll128_max_bw_per_channel[self.arch] * gb)
+                bus = min(bus * (0.7 if g < 2 else 0.92),
+                          channels * t.ring_ll128_max_bw_per_channel[self.arch][idx] * gb)
             return bus * ratio
         if a == "tree":
             bus = 2 * link_algbw  # NCCL converts the tree's bus bandwidth to algbw at 1/2
@@ -323,7 +324,8 @@ class NcclModel:
             if proto == "LL":
                 bus = min(bus / 3.8, ll_max)
             elif proto == "LL128":
-                bus = min(bus * (7 / 9 if n == 1 else 120 / 128), channels * t.ll128_max_bw_per_channel[self.arch] * gb)
+                bus = min(bus * (7 / 9 if n == 1 else 120 / 128),
+                          channels * t.tree_ll128_max_bw_per_channel[self.arch][idx] * gb)
             return bus * 0.5
         return link_algbw  # NVLS: the switch's ceiling, or the links'
 

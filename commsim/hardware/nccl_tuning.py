@@ -7,8 +7,13 @@ are the ones that model reads, as they stood in the NCCL versions the software s
 ``stacks`` name. Latencies in microseconds, bandwidths in GB/s (1e9 B/s), as NCCL keeps
 them; ``nccl`` converts them once.
 
-The values are written from the NCCL sources as I know them; where a figure or the
-version it changed in is uncertain the comment says so. Algorithms are "ring", "tree",
+The tables (``baseLat``, ``hwLat``, ``llMaxBws``, ``perChMaxTreeBws``, the LL128
+per-channel ceilings and ``treeCorrectionFactor``) are the released binaries' own, read
+out of their data sections by ``bench/nccl_constants.py`` into ``docs/nccl/*.json``
+(NCCL 2.10.3 from PyTorch 1.11.0's wheel, 2.18.3 and 2.27.7 from ``nvidia-nccl-cu12``);
+tests/hardware/test_nccl_tables.py checks every value here against those files. The
+model's structure around them (which terms a release adds, the bandwidth factors in
+``nccl``) is read from tuning.cc as the comments say. Algorithms are "ring", "tree",
 "nvls" (NVLink SHARP, one H100 node) and "nvls_tree" (NVLS inside the node, a tree across
 nodes); protocols "LL", "LL128", "Simple". Hardware classes for per-hop latency: "nvlink",
 "pci", "net".
@@ -61,8 +66,10 @@ class NcclTuning:
     ll_max_bw: Mapping[str, tuple[float, float, float]]
     # perChMaxTreeBws[arch][nodes index] GB/s per channel: the tree's ceiling
     tree_max_bw_per_channel: Mapping[str, tuple[float, float, float]]
-    # the LL128 ceiling per channel (ring and tree), GB/s
-    ll128_max_bw_per_channel: Mapping[str, float]
+    # the LL128 ceilings per channel, GB/s, [arch][nodes index]: perChMaxRingLL128Bws and
+    # perChMaxTreeLL128Bws (2.10 has one ll128MaxBwPerCh = 20 for both)
+    ring_ll128_max_bw_per_channel: Mapping[str, tuple[float, float, float]]
+    tree_ll128_max_bw_per_channel: Mapping[str, tuple[float, float, float]]
     # treeCorrectionFactor[protocol][log2(bytes / 64)] for 64 B .. 256 MiB: "Trees are
     # not perfectly sticking to the model for medium sizes" (ncclTopoGetAlgoTime)
     tree_correction: Mapping[str, tuple[float, ...]]
@@ -73,9 +80,9 @@ class NcclTuning:
     # and only its network steps at the network hop (with NCCL's per-step net overhead);
     # before, a multi-node ring paid the network hop on every step.
     ring_split_latency: bool
-    # the net plugin's reported latency (ncclNetProperties_t.latency, net API v6, NCCL
-    # 2.12 or so; unsure of the exact release) is added to every network hop, and once
-    # more for Simple (the receive flush)
+    # the net plugin's reported latency (ncclNetProperties_t.latency, net API v6) is added
+    # to every network hop, and once more for Simple (the receive flush); 2.10's net API
+    # (v4) has no latency field
     reads_net_latency: bool
     # NVLS (NVLink SHARP) all-reduce on one node, and NVLS+tree across nodes (2.17 / 2.18)
     has_nvls: bool
@@ -87,15 +94,17 @@ class NcclTuning:
         return tuple(int(x) for x in self.version.split("."))
 
 
-# Rows shared by the versions below (tuning.cc):
+# Rows shared by the three releases (the same in all three binaries):
 _TREE_CORRECTION = {
     "LL": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0),
-    "LL128": (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, .8, .8, .8, .7, .7, .7, .7, .7, .7,
-              .7),
+    "LL128": (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0),
     "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9),
 }
 
-# NCCL 2.10-2.11 (tuning.cc as of 2.10.3; the early-2022 software of the seed scenario).
+_LL128_20 = MappingProxyType({a: (20.0, 20.0, 20.0) for a in ("volta", "ampere", "hopper")})
+
+# NCCL 2.10-2.11 (2.10.3; the early-2022 software of the seed scenario). 2.10 knows Volta
+# and Ampere only: Hopper takes Ampere's rows, as an unknown compute capability does there.
 NCCL_2_10 = NcclTuning(
     version="2.10",
     base_lat_us=_table({"ring": {"LL": 3.6, "LL128": 10.0, "Simple": 8.4},
@@ -114,7 +123,8 @@ NCCL_2_10 = NcclTuning(
                                 "hopper": (87.7, 22.5, 19.0)}),  # no Hopper row before 2.12: Ampere's
     tree_max_bw_per_channel=MappingProxyType({"volta": (26.5, 18.5, 10.0), "ampere": (24.0, 23.6, 17.8),
                                               "hopper": (24.0, 23.6, 17.8)}),
-    ll128_max_bw_per_channel=MappingProxyType({"volta": 20.0, "ampere": 20.0, "hopper": 20.0}),
+    ring_ll128_max_bw_per_channel=_LL128_20,
+    tree_ll128_max_bw_per_channel=_LL128_20,
     tree_correction=MappingProxyType(_TREE_CORRECTION),
     ring_plateau=MappingProxyType({"volta": 1.9, "ampere": 1.4, "hopper": 1.4}),
     ring_split_latency=False,
@@ -123,12 +133,53 @@ NCCL_2_10 = NcclTuning(
     net_overhead_us=0.0,
 )
 
-# NCCL 2.18-2.19 (tuning.cc as of 2.18.3). NVLS figures: baseLat 0 and an NVLink hop of
-# 25 us for one node, 18-19 us per network hop for NVLS tree, as I recall them (unsure).
+# NCCL 2.18-2.19 (2.18.3, the nearest to the 2023 stack's 2.18.5 on the registry). NVLS: a 23 us base and no per-hop NVLink cost on one node; an
+# 18 us network hop for NVLS, 19 us for NVLS tree.
 NCCL_2_18 = NcclTuning(
     version="2.18",
     base_lat_us=_table({"ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4},
                         "tree": {"LL": 6.8, "LL128": 14.0, "Simple": 0.0},
+                        "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 23.0},
+                        "nvls_tree": {"LL": 0.0, "LL128": 0.0, "Simple": 23.0}}),
+    hw_lat_us=_table({
+        "nvlink": MappingProxyType({"tree": MappingProxyType({"LL": .6, "LL128": 1.25, "Simple": 4.0}),
+                                    "ring": MappingProxyType({"LL": .6, "LL128": 1.9, "Simple": 3.4}),
+                                    "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0}),
+                                    "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0})}),
+        "pci": MappingProxyType({"tree": MappingProxyType({"LL": 1.0, "LL128": 1.9, "Simple": 6.0}),
+                                 "ring": MappingProxyType({"LL": 1.0, "LL128": 2.5, "Simple": 5.7}),
+                                 "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0}),
+                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0})}),
+        "net": MappingProxyType({"tree": MappingProxyType({"LL": 5.0, "LL128": 8.5, "Simple": 14.0}),
+                                 "ring": MappingProxyType({"LL": 2.7, "LL128": 4.0, "Simple": 14.0}),
+                                 "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 18.0}),
+                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 19.0})}),
+    }),
+    ll_max_bw=MappingProxyType({"volta": (39.0, 39.0, 20.4), "ampere": (87.7, 22.5, 19.0),
+                                "hopper": (87.7, 22.5, 19.0)}),
+    tree_max_bw_per_channel=MappingProxyType({"volta": (26.5, 18.5, 10.0), "ampere": (24.0, 23.6, 17.8),
+                                              "hopper": (38.7, 41.4, 36.0)}),
+    ring_ll128_max_bw_per_channel=MappingProxyType({"volta": (20.0, 20.0, 20.0), "ampere": (20.0, 20.0, 20.0),
+                                                    "hopper": (36.7, 36.7, 29.0)}),
+    tree_ll128_max_bw_per_channel=MappingProxyType({"volta": (20.0, 20.0, 20.0), "ampere": (20.0, 20.0, 20.0),
+                                                    "hopper": (36.7, 36.7, 36.7)}),
+    tree_correction=MappingProxyType(_TREE_CORRECTION),
+    ring_plateau=MappingProxyType({"volta": 1.9, "ampere": 1.4, "hopper": 1.4}),
+    ring_split_latency=True,
+    reads_net_latency=True,
+    has_nvls=True,
+    # getNetOverhead(): 1 us on Intel hosts, 2 us on AMD (the presets' hosts are Intel)
+    net_overhead_us=1.0,
+)
+
+# NCCL 2.27 (2.27.7): the tables retuned for Hopper (LL ceilings, a Simple tree base, NVLS
+# priced as a 25 us NVLink hop, a 14 us NVLS-tree network hop, PCI tree Simple 4 us).
+# PAT (one GPU per node) is not modelled: the presets never have one GPU per node. The
+# fields outside the tables are taken as 2.18's.
+NCCL_2_27 = NcclTuning(
+    version="2.27",
+    base_lat_us=_table({"ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4},
+                        "tree": {"LL": 6.8, "LL128": 14.0, "Simple": 8.4},
                         "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 0.0},
                         "nvls_tree": {"LL": 0.0, "LL128": 0.0, "Simple": 0.0}}),
     hw_lat_us=_table({
@@ -143,27 +194,20 @@ NCCL_2_18 = NcclTuning(
         "net": MappingProxyType({"tree": MappingProxyType({"LL": 5.0, "LL128": 8.5, "Simple": 14.0}),
                                  "ring": MappingProxyType({"LL": 2.7, "LL128": 4.0, "Simple": 14.0}),
                                  "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 18.0}),
-                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 19.0})}),
+                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 14.0})}),
     }),
     ll_max_bw=MappingProxyType({"volta": (39.0, 39.0, 20.4), "ampere": (87.7, 22.5, 19.0),
                                 "hopper": (141.0, 45.0, 35.0)}),
-    tree_max_bw_per_channel=MappingProxyType({"volta": (26.5, 18.5, 10.0), "ampere": (24.0, 23.6, 17.8),
-                                              "hopper": (38.7, 41.4, 36.0)}),
-    ll128_max_bw_per_channel=MappingProxyType({"volta": 20.0, "ampere": 20.0, "hopper": 36.7}),
+    tree_max_bw_per_channel=NCCL_2_18.tree_max_bw_per_channel,
+    ring_ll128_max_bw_per_channel=NCCL_2_18.ring_ll128_max_bw_per_channel,
+    tree_ll128_max_bw_per_channel=NCCL_2_18.tree_ll128_max_bw_per_channel,
     tree_correction=MappingProxyType(_TREE_CORRECTION),
-    ring_plateau=MappingProxyType({"volta": 1.9, "ampere": 1.4, "hopper": 1.4}),
+    ring_plateau=NCCL_2_18.ring_plateau,
     ring_split_latency=True,
     reads_net_latency=True,
     has_nvls=True,
-    # getNetOverhead(): 1 us on Intel hosts, 2 us on AMD (the presets' hosts are Intel)
-    net_overhead_us=1.0,
+    net_overhead_us=NCCL_2_18.net_overhead_us,
 )
-
-# NCCL 2.27: the 2.18 model is assumed to hold (the releases between retuned NVLS and
-# added PAT for one GPU per node, which the presets never have); I do not know the 2.27
-# constants well enough to write them apart, so this is an assumption, not a citation.
-NCCL_2_27 = NcclTuning(**{f: getattr(NCCL_2_18, f) for f in NcclTuning.__slots__ if f != "version"},
-                       version="2.27")
 
 TUNINGS = MappingProxyType({t.version: t for t in (NCCL_2_10, NCCL_2_18, NCCL_2_27)})
 
