@@ -5,8 +5,9 @@ status 2 and one line on stderr naming the file, field or flag and what is allow
 outputs are written atomically, so nothing is half-written.
 
 The subcommands live by family: ``schedule_cmds`` (validate, show, models, schedule),
-``predict_cmd`` (predict), ``explore`` (sweep, tune, plot) and ``measure`` (execute,
-calibrate, record, compare); ``common`` holds the parser and the shared flags.
+``predict_cmd`` (predict), ``explore`` (sweep, tune, plot), ``measure`` (execute,
+calibrate, record, compare) and ``export_cmd`` (export); ``common`` holds the parser and
+the shared flags.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from typing import Callable, Sequence
 
 from commsim import __version__
-from commsim.cli import explore, measure, predict_cmd, schedule_cmds
+from commsim.cli import explore, export_cmd, measure, predict_cmd, schedule_cmds
 from commsim.cli.common import EXIT_BAD_INPUT, Parser
 from commsim.ir.errors import CommsimInputError
 
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"commsim {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for family in (schedule_cmds, predict_cmd, explore, measure):
+    for family in (schedule_cmds, predict_cmd, explore, measure, export_cmd):
         family.register(sub)
     return parser
 

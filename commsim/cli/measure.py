@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from commsim.cli.common import check_output_folder, check_outputs, need_torch, positive_int
+from commsim.cli.export_cmd import check_kineto_folder
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.load import load_schedule_any
 
@@ -17,6 +18,7 @@ from commsim.ir.load import load_schedule_any
 def cmd_execute(args: argparse.Namespace) -> int:
     need_torch("execute")
     check_outputs(("-o", args.output))
+    check_kineto_folder(args.kineto)
     from runtime.launch import ExecConfig, execute
 
     if args.steps < 1 or args.warmup < 0:
@@ -24,6 +26,10 @@ def cmd_execute(args: argparse.Namespace) -> int:
     cfg = ExecConfig(args.schedule, args.output, args.backend, args.steps, args.warmup, args.check_data,
                      args.timeout)
     trace = execute(cfg, args.nproc_per_node)
+    if args.kineto and trace is not None:  # the process that wrote the trace (rank 0 under torchrun)
+        from commsim.report.kineto import write_kineto
+
+        write_kineto(trace, args.kineto)
     steps = trace.meta.get("step_times_ns", []) if trace is not None else []
     if steps:
         mean = sum(steps) / len(steps)
@@ -126,6 +132,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--check-data", action="store_true",
                    help="fill collectives with known values and check every result (small schedules)")
     p.add_argument("-o", "--output", default="measured.json", help="measured trace (default measured.json)")
+    p.add_argument("--kineto", metavar="DIR",
+                   help="also write the measured steps as PyTorch profiler (Kineto) traces, DIR/rank<N>.pt.trace.json "
+                   "for every rank, for HTA, Perfetto and TensorBoard (gloo's streams as GPU streams; DIR: new or "
+                   "empty)")
     p.set_defaults(func=cmd_execute)
 
     p = sub.add_parser("calibrate", help="measure this machine into a hardware profile for predict --hw-profile",

@@ -1,5 +1,5 @@
 """``commsim predict``: simulate one training step and report it, as a table or JSON,
-with optional trace, timeline and memory plot files."""
+with optional trace (commsim's, Chrome's or Kineto's), timeline and memory plot files."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import math
 
 from commsim.cli.common import add_hardware_flags, add_scenario_flags, check_outputs, warn_what_ifs
+from commsim.cli.export_cmd import check_kineto_folder
 
 
 def _fmt_bytes(n: float) -> str:
@@ -59,11 +60,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from commsim.api import predict_scenario
 
     check_outputs(("--trace", args.trace), ("--plot", args.plot), ("--plot-memory", args.plot_memory))
+    check_kineto_folder(args.kineto)
     warn_what_ifs(args.cluster, args.gpus_per_node)
     pred = predict_scenario(args)
     m = pred.metrics
     if args.trace:
         pred.trace().save_chrome_trace(args.trace) if args.trace.endswith(".chrome.json") else pred.trace().save(args.trace)
+    if args.kineto:
+        from commsim.report.kineto import write_kineto
+
+        write_kineto(pred.trace(), args.kineto, world_size=pred.schedule.world_size)
     if args.plot:
         from commsim.report.plots import timeline_png
 
@@ -93,6 +99,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", metavar="FILE", help="simulate this schedule file instead of generating one")
     p.add_argument("--trace", metavar="FILE",
                    help="write the predicted trace (commsim JSON; a name ending .chrome.json writes Chrome/Perfetto)")
+    p.add_argument("--kineto", metavar="DIR",
+                   help="write the predicted step as PyTorch profiler (Kineto) traces, DIR/rank<N>.pt.trace.json for "
+                   "every rank, for HTA, Perfetto and TensorBoard (DIR: new or empty)")
     p.add_argument("--plot", metavar="PNG", help="write a timeline plot of the step")
     p.add_argument("--plot-memory", metavar="PNG",
                    help="write allocated / reserved memory over the step, allocator flushes marked")
