@@ -32,6 +32,9 @@ SKIPPED = {
     "commsim calibrate --nproc-per-node 2": "launches torch ranks (calibrate, then execute), about a minute",
     "printf '{\"train_micro_batch_size_per_gpu\": 2":
         "records real DeepSpeed under torchrun (tests/runtime/test_deepspeed_fidelity.py does, per config)",
+    "commsim schedule --model tiny --nodes 1 --gpus-per-node 2 --micro-batch 2 --seq 16 -o tiny.json":
+        "launches torch ranks (tests/report/test_kineto.py executes and exports a schedule)",
+    "commsim export traces/local-cpu/small_z3_opt.json.gz": "reads the repository's stored traces, from its root",
 }
 
 
