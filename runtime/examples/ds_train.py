@@ -34,6 +34,9 @@ def main() -> None:
                          "by self time, and write the Chrome trace (with input shapes) here")
     ap.add_argument("--mark-modules", action="store_true",
                     help="under commsim record: insert a marker per module hook (which module sent what)")
+    ap.add_argument("--comms-raw-json", metavar="FILE",
+                    help="with the ds_config's comms_logger enabled: write its get_raw_data() here (rank 0) before "
+                    "log_summary() prints the table")
     ap.add_argument("--build-shm-comm", action="store_true",
                     help="let DeepSpeed build its CPU shared-memory all-reduce op (inference only; skipped by default)")
     args = ap.parse_args()
@@ -122,6 +125,13 @@ def main() -> None:
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
             json.dump({"step_times_s": times, "phase_times_s": phase_times}, f)
+    if ds_cfg.get("comms_logger", {}).get("enabled"):
+        # DeepSpeed's comms logger: its raw per-op values, then the summary table on rank
+        # 0's stdout (with "verbose" the per-op lines were logged as the ops ran)
+        if args.comms_raw_json and dist.get_rank() == 0:
+            with open(args.comms_raw_json, "w") as f:
+                json.dump(deepspeed.comm.comms_logger.get_raw_data(), f)
+        deepspeed.comm.log_summary()
     dist.barrier()
 
 
