@@ -14,12 +14,13 @@ JSON. ``log_summary()`` prints, and ``log_summary(return_dict=True)`` returns, o
 averages and totals per size.
 
 DeepSpeed 0.19.8 (deepspeed/comm/comm.py, utils/timer.py) times each op with a timer
-named after the op that it stops but never resets, and logs ``elapsed(reset=False)``:
-every logged time is the sum of all of that op name's times so far. Per-op times are
-the differences between an op name's consecutive values (rounded to 0.01 ms in the
-text); in the raw data, each name's values of all sizes sorted ascending restore their
-order. The reader takes the values as cumulative when each name's values never
-decrease (in log order, or per size in the raw data), and as per-op times otherwise.
+named after the op (and, with the logger's ``debug``, its caller: ``all_reduce |
+[Caller Func: f]``) that it stops but never resets, and logs ``elapsed(reset=False)``:
+every logged time is the sum of all of that timer's times so far. Per-op times are the
+differences between a timer's consecutive values (rounded to 0.01 ms in the text); in
+the raw data, each timer's values of all sizes sorted ascending restore their order.
+The reader takes the values as cumulative when each timer's values never decrease (in
+log order, or per size in the raw data), and as per-op times otherwise.
 The summary (table or dictionary) averages the cumulative values, which cannot be
 undone, so it is refused.
 
@@ -82,6 +83,11 @@ def looks_like_comms_json(obj: Any) -> bool:
                for v in obj.values())
 
 
+def _op_name(timer_name: str) -> str:
+    """The op's name without the caller ``debug`` adds (`` | [Caller Func: f]``)."""
+    return _CALLER.sub("", timer_name).strip()
+
+
 def _differences(values: list[float]) -> list[float]:
     out, last = [], 0.0
     for v in values:
@@ -91,10 +97,9 @@ def _differences(values: list[float]) -> list[float]:
 
 
 def parse_text(text: str, where: str) -> CommsLog:
-    rows = []
-    for m in _LINE.finditer(text):
-        name = _CALLER.sub("", m.group("name")).strip()
-        rows.append((name, float(m.group("size")) * _UNITS[m.group("unit")], float(m.group("ms")),
+    rows = []  # (timer name, bytes, ms, algbw, busbw); with comms_logger "debug" the name
+    for m in _LINE.finditer(text):  # carries its caller, and each caller has its own timer
+        rows.append((m.group("name"), float(m.group("size")) * _UNITS[m.group("unit")], float(m.group("ms")),
                      float(m.group("alg")), float(m.group("bus"))))
     if not rows:
         if re.search(r"^Comm\. Op\s+Message Size", text, re.M):
@@ -107,7 +112,8 @@ def parse_text(text: str, where: str) -> CommsLog:
         by_name.setdefault(name, []).append(ms)
     cumulative = all(all(b >= a for a, b in zip(v, v[1:])) for v in by_name.values())
     per_op = {n: iter(_differences(v) if cumulative else v) for n, v in by_name.items()}
-    ops = tuple(LoggedOp(name, size, next(per_op[name]) / 1e3, alg, bus) for name, size, _, alg, bus in rows)
+    ops = tuple(LoggedOp(_op_name(name), size, next(per_op[name]) / 1e3, alg, bus)
+                for name, size, _, alg, bus in rows)
     return CommsLog(ops, cumulative, exact_sizes=False)
 
 
@@ -129,7 +135,7 @@ def parse_raw(obj: Any, where: str) -> CommsLog:
                 raise CommsimInputError(f"{where}: {name}.{size}: not [count, [ms...], [algbw...], [busbw...]] "
                                         f"({e})") from None
             monotone = monotone and all(b >= a for a, b in zip(lat, lat[1:]))
-            values.setdefault(_CALLER.sub("", name).strip(), []).extend(
+            values.setdefault(name, []).extend(
                 (ms, nbytes, float(a), float(b)) for ms, a, b in zip(lat, alg, bus))
     if not any(values.values()):
         raise CommsimInputError(f"{where}: DeepSpeed's raw comms data holds no ops")
@@ -140,7 +146,7 @@ def parse_raw(obj: Any, where: str) -> CommsLog:
             times = _differences([v[0] for v in vals])
         else:
             times = [v[0] for v in vals]
-        ops.extend(LoggedOp(name, nbytes, t / 1e3, a, b) for t, (_, nbytes, a, b) in zip(times, vals))
+        ops.extend(LoggedOp(_op_name(name), nbytes, t / 1e3, a, b) for t, (_, nbytes, a, b) in zip(times, vals))
     return CommsLog(tuple(ops), monotone, exact_sizes=True)
 
 

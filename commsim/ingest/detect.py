@@ -9,7 +9,7 @@ name:
 * a torch.profiler trace (Kineto's Chrome trace JSON, maybe gzip-compressed): an
   object with ``traceEvents``;
 * a torch.distributed Flight Recorder dump: an object with ``version``, ``pg_config``
-  and ``entries``, as JSON (``_dump_fr_trace_json``) or as the pickle
+  and ``entries`` (or, empty, ``pg_status``), as JSON (``_dump_fr_trace_json``) or as the pickle
   ``_dump_fr_trace`` writes. A pickle is read by an unpickler that builds plain
   Python values only (dicts, lists, tuples, strings, numbers, ``set`` / ``frozenset``):
   one that names any other class or function is refused before it is built, since
@@ -60,6 +60,10 @@ class Found:
     records: tuple[Record, ...]  # in file-name order
 
 
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """Builds only what pickle's own opcodes build (dicts, lists, tuples, strings,
     numbers, None, booleans) and the two set types; any other class or function a
@@ -70,17 +74,17 @@ class _PlainUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._ALLOWED:
             return getattr(__import__("builtins"), name)
-        raise pickle.UnpicklingError(f"holds a {module}.{name} object")
+        raise _Refused(f"holds a {module}.{name} object")
 
 
 def read_plain_pickle(data: bytes, where: str) -> Any:
     """A pickle of plain Python values; anything else is refused with one line."""
     try:
         return _PlainUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
+    except _Refused as e:
         raise CommsimInputError(f"{where}: a pickle that is not plain Python values ({e}); commsim reads only "
                                 "Flight Recorder dumps of plain values (torch's _dump_fr_trace)") from None
-    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as e:
         raise CommsimInputError(f"{where}: a damaged pickle ({type(e).__name__}: {e})") from None
 
 
@@ -95,7 +99,8 @@ def _classify_json(obj: Any) -> Format | None:
         return Format.COMMSIM_TRACE
     if isinstance(obj.get("traceEvents"), list):
         return Format.TORCH_PROFILER
-    if {"version", "pg_config", "entries"} <= obj.keys():
+    # (_dump_fr_trace_json leaves "entries" out when it has none)
+    if {"version", "pg_config"} <= obj.keys() and ("entries" in obj or "pg_status" in obj):
         return Format.FLIGHT_RECORDER
     from commsim.ingest.comms_logger import looks_like_comms_json
 
@@ -117,7 +122,7 @@ def recognise(path: Path) -> tuple[Format | None, Any]:
             raise CommsimInputError(f"{path}: a damaged gzip file ({e})") from None
     if data[:1] == b"\x80":  # pickle protocol 2 and later
         obj = read_plain_pickle(data, str(path))
-        fmt = Format.FLIGHT_RECORDER if isinstance(obj, dict) and "entries" in obj else None
+        fmt = Format.FLIGHT_RECORDER if isinstance(obj, dict) and {"version", "pg_config"} <= obj.keys() else None
         return fmt, obj if fmt else None
     try:
         text = data.decode()

@@ -110,9 +110,9 @@ def _bytes(sizes: Any, dtypes: Any, where: str) -> tuple[int, str]:
 
 
 def _check(dump: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
-        raise CommsimInputError(f"{where}: not a Flight Recorder dump (no list of entries)")
-    entries = [e for e in dump["entries"] if isinstance(e, dict)]
+    if not isinstance(dump, dict) or not isinstance(dump.get("entries", []), list):
+        raise CommsimInputError(f"{where}: not a Flight Recorder dump (its entries are not a list)")
+    entries = [e for e in dump.get("entries", []) if isinstance(e, dict)]
     if not entries:
         raise CommsimInputError(f"{where}: the Flight Recorder dump holds no collectives (was TORCH_FR_BUFFER_SIZE "
                                 "set before the process group started?)")

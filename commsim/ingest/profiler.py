@@ -126,8 +126,9 @@ def _events(doc: dict[str, Any], where: str) -> tuple[list[_Ev], dict[Any, list[
         evs.sort(key=lambda x: (x.start_ns, -x.end_ns))
         stack: list[_Ev] = []
         for ev in evs:
-            # pop what ended before it, and what it only overlaps (not nested: not a parent)
-            while stack and (stack[-1].end_ns <= ev.start_ns < ev.end_ns or stack[-1].end_ns < ev.end_ns):
+            # pop what ends before it does: what ended before it began, or what it only
+            # overlaps (not nested, so not a parent)
+            while stack and stack[-1].end_ns < ev.end_ns:
                 stack.pop()
             if stack:
                 parent = stack[-1]

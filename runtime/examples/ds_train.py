@@ -6,7 +6,10 @@
 Used by the fidelity tests under ``commsim record`` and by bench/validate_local.py. The
 model is ``runtime.torch_models.build_model`` (Hugging Face's RobertaForMaskedLM tree);
 activation checkpointing per layer as in the seed scenario unless --no-checkpointing.
-The optimizer is torch's AdamW (DeepSpeed's own CPU Adam needs a compiled op).
+The optimizer is torch's AdamW (DeepSpeed's own CPU Adam needs a compiled op). With the
+ds_config's ``comms_logger`` enabled it prints ``deepspeed.comm.log_summary()`` at the end
+and, with --comms-raw-json, saves the logger's raw data (tests/runtime/test_run_records.py
+reads both into calibration points).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ the LM head form the root unit), as FSDP users shard a transformer, with the set
 of ``--fsdp-config`` (commsim.strategies.fsdp2_config: the keys of ``fully_shard``'s
 arguments; the same file ``commsim schedule --strategy fsdp2 --fsdp-config`` reads).
 Used under ``commsim record`` by the fidelity tests (tests/runtime/test_fsdp2_fidelity.py)
-and by bench/validate_local.py (``--timings``). The optimizer is torch's AdamW.
+and by bench/validate_local.py (``--timings``). The optimizer is torch's AdamW. The run
+keeps its own records on request (``runtime.examples.records``): a torch.profiler trace
+of its steps (--torch-profile-dir) and Flight Recorder dumps (--flight-recorder,
+--flight-recorder-json), as tests/runtime/test_run_records.py reads them.
 """
 
 from __future__ import annotations

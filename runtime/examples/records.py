@@ -9,8 +9,9 @@ every step and a dump of torch.distributed's Flight Recorder.
     --flight-recorder PREFIX  keep the Flight Recorder on (TORCH_FR_BUFFER_SIZE, set before
                               the process group starts) and dump it at the end to
                               PREFIX<rank> (torch's own naming, as TORCH_FR_DUMP_TEMP_FILE):
-                              the pickle ``_dump_fr_trace`` returns (with stack traces), or
-                              with --flight-recorder-json the JSON of ``_dump_fr_trace_json``
+                              the pickle ``_dump_fr_trace`` returns (with stack traces)
+    --flight-recorder-json PREFIX  the same, as the JSON ``_dump_fr_trace_json`` returns
+                              (without stacks); both may be given
 
 gloo has no watchdog that would dump on a timeout as NCCL's does, so the script dumps
 itself; ``commsim compare`` reads either form (commsim.ingest).
@@ -31,13 +32,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="torch.profiler over every step; each rank's Chrome trace written into DIR")
     ap.add_argument("--flight-recorder", metavar="PREFIX",
                     help="dump torch.distributed's Flight Recorder at the end to PREFIX<rank> (pickle)")
-    ap.add_argument("--flight-recorder-json", action="store_true",
-                    help="with --flight-recorder: dump its JSON form instead of the pickle")
+    ap.add_argument("--flight-recorder-json", metavar="PREFIX",
+                    help="dump torch.distributed's Flight Recorder at the end to PREFIX<rank> (JSON)")
 
 
 def before_init(args: argparse.Namespace) -> None:
     """Call before the process group starts: the recorder's buffer is sized then."""
-    if args.flight_recorder:
+    if args.flight_recorder or args.flight_recorder_json:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER_ENTRIES)
 
 
@@ -63,13 +64,13 @@ def profiling(args: argparse.Namespace, steps: int) -> Iterator[Any]:
 
 
 def dump_flight_recorder(args: argparse.Namespace, rank: int) -> None:
-    """Write this rank's Flight Recorder dump (after the last collective it records)."""
-    if not args.flight_recorder:
-        return
+    """Write this rank's Flight Recorder dump(s) (after the last collective it records)."""
     import torch
 
     c10d = torch._C._distributed_c10d
-    data = c10d._dump_fr_trace_json() if args.flight_recorder_json else c10d._dump_fr_trace()
-    os.makedirs(os.path.dirname(os.path.abspath(args.flight_recorder)), exist_ok=True)
-    with open(f"{args.flight_recorder}{rank}", "wb") as f:
-        f.write(data)
+    for prefix, dump in ((args.flight_recorder, c10d._dump_fr_trace),
+                         (args.flight_recorder_json, c10d._dump_fr_trace_json)):
+        if prefix:
+            os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+            with open(f"{prefix}{rank}", "wb") as f:
+                f.write(dump())
