@@ -251,11 +251,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "job's trace (torch.profiler) is matched op by op through its collectives only. "
                        "--collectives RECORDED SCHEDULE: does the recorded run end with the schedule's step, "
                        "collective for collective (kind, order, bytes, dtype, group), at least --min-steps times back "
-                       "to back with nothing between, covering the recording's last --min-steps steps (a Flight Recorder "
-                       "dump has no step numbers: the repetitions suffice)? Exit 0 if it does, 1 if not (the line "
-                       "names the first difference).")
-    p.add_argument("first", help="predicted trace (or, with --collectives, a recording: commsim record folder or trace, "
-                   "torch.profiler trace, Flight Recorder dump(s))")
+                       "to back with nothing between, covering the recording's last --min-steps steps (a Flight "
+                       "Recorder dump has no step numbers: the repetitions suffice)? Exit 0 if it does, 1 if not (the "
+                       "line names the first difference).")
+    p.add_argument("first", help="predicted trace (or, with --collectives, a recording: commsim record folder or "
+                   "trace, torch.profiler trace, Flight Recorder dump(s))")
     p.add_argument("second", help="measured trace: commsim execute's or a torch.profiler trace (or, with "
                    "--collectives, a schedule file)")
     p.add_argument("--collectives", action="store_true", help="compare collective sequences")

@@ -84,7 +84,8 @@ def read_plain_pickle(data: bytes, where: str) -> Any:
     except _Refused as e:
         raise CommsimInputError(f"{where}: a pickle that is not plain Python values ({e}); commsim reads only "
                                 "Flight Recorder dumps of plain values (torch's _dump_fr_trace)") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            MemoryError) as e:
         raise CommsimInputError(f"{where}: a damaged pickle ({type(e).__name__}: {e})") from None
 
 

@@ -103,7 +103,7 @@ class _Ev:
     children: list["_Ev"] = field(default_factory=list)
 
 
-def _events(doc: dict[str, Any], where: str) -> tuple[list[_Ev], dict[Any, list[int]]]:
+def _events(doc: dict[str, Any]) -> tuple[list[_Ev], dict[Any, list[int]]]:
     """Complete events with their nesting flags, and each thread's fwdbwd flow starts."""
     threads: dict[Any, list[_Ev]] = {}
     flows: dict[Any, list[int]] = {}
@@ -193,7 +193,7 @@ class _Collective:
     span: _Ev | None  # the backend's execution of it, on a worker thread
 
 
-def _collective(ev: _Ev, rank: int, groups: _Groups, where: str) -> _Collective:
+def _collective(ev: _Ev, rank: int, groups: _Groups) -> _Collective:
     op = ev.name.removeprefix("c10d::")
     kind, arg, times_group = C10D_OPS.get(op, (op.rstrip("_"), -1, False))
     dims, types = ev.args.get("Input Dims") or [], ev.args.get("Input type") or []
@@ -218,25 +218,24 @@ def _collective(ev: _Ev, rank: int, groups: _Groups, where: str) -> _Collective:
 def _pair_spans(colls: list[_Collective], spans: list[_Ev]) -> None:
     """Each call's execution: the first unpaired backend span starting after the call
     whose tensor shapes are among the call's (or, for a barrier, that is a barrier)."""
-    spans = sorted(spans, key=lambda s: s.start_ns)
-    used = [False] * len(spans)
+    pending = sorted(spans, key=lambda s: s.start_ns)
+    starts = [s.start_ns for s in pending]
     for c in sorted(colls, key=lambda c: c.call.start_ns):
         want = _shapes(c.call.args)
-        for i, s in enumerate(spans):
-            if used[i] or s.start_ns < c.call.start_ns:
-                continue
+        for i in range(bisect.bisect_left(starts, c.call.start_ns), len(pending)):
+            s = pending[i]
             have = _shapes(s.args)
             barrier = _BACKEND_SPAN.match(s.name).group(2) == "barrier"  # type: ignore[union-attr]
             if (c.kind == "barrier") == barrier and (barrier or (have and have <= want)):
-                used[i] = True
                 c.span = s
                 if not c.dtype:
                     c.dtype = next((t for t in s.args.get("Input type") or [] if t in DTYPES), "")
+                del pending[i], starts[i]
                 break
 
 
 def _rank_records(doc: dict[str, Any], where: str, rank: int) -> tuple[list[TraceRecord], list[int]]:
-    events, flows = _events(doc, where)
+    events, flows = _events(doc)
     groups = _groups(doc.get("distributedInfo") or {})
     steps = sorted(((int(e.name.split("#", 1)[1]), e) for e in events
                     if re.fullmatch(r"ProfilerStep#\d+", e.name)), key=lambda t: t[1].start_ns)
@@ -252,7 +251,10 @@ def _rank_records(doc: dict[str, Any], where: str, rank: int) -> tuple[list[Trac
     workers = {s.tid for s in spans}
     ops = sorted((e for e in events if e.tid not in workers and not e.under_op
                   and e.name.startswith(("aten::", "c10d::"))), key=lambda e: e.start_ns)
-    colls = [_collective(e, rank, groups, where) for e in ops if e.name.startswith("c10d::")]
+    colls = [_collective(e, rank, groups) for e in ops if e.name.startswith("c10d::")]
+    if colls and not any("Input Dims" in c.call.args for c in colls):
+        raise CommsimInputError(f"{where}: profiled without record_shapes, so its collectives' sizes are unknown; "
+                                "profile with torch.profiler.profile(record_shapes=True)")
     _pair_spans(colls, spans)
     by_call = {id(c.call): c for c in colls}
 

@@ -58,13 +58,17 @@ def profiling(args: argparse.Namespace, steps: int) -> Iterator[Any]:
 
     # the first step warms the profiler up (torch's advice); at least one is recorded
     schedule = torch.profiler.schedule(wait=0, warmup=1 if steps > 1 else 0, active=max(1, steps - 1), repeat=1)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True, schedule=schedule,
-                                on_trace_ready=torch.profiler.tensorboard_trace_handler(args.torch_profile_dir)) as prof:
+    # (shapes: a collective's bytes are read from its tensors' shapes)
+    handler = torch.profiler.tensorboard_trace_handler(args.torch_profile_dir)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                schedule=schedule, on_trace_ready=handler) as prof:
         yield prof
 
 
 def dump_flight_recorder(args: argparse.Namespace, rank: int) -> None:
     """Write this rank's Flight Recorder dump(s) (after the last collective it records)."""
+    if not (args.flight_recorder or args.flight_recorder_json):
+        return
     import torch
 
     c10d = torch._C._distributed_c10d
