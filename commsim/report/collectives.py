@@ -15,6 +15,11 @@ starts, but in steady state it holds exactly one step's collectives, rotated; he
 the last condition counts recorded steps, not their boundaries. Everything before the
 matched repetitions (initialisation, warm-up steps) is not compared.
 
+A recording without step numbers (a Flight Recorder dump: ``steps_known`` false) cannot
+say which collectives its last steps hold, so that condition is not checked there: it
+matches when it ends with at least ``min_steps`` back-to-back repetitions, and the
+report says how many collectives before them were not compared.
+
 A schedule that lacks one collective, has one too many, or has one dtype or group
 wrong cannot repeat to the recording's end; one that is a fragment of the step
 (a single all-gather that happens to repeat at the end) cannot cover the last steps.
@@ -55,6 +60,7 @@ class StepMatch:
     min_steps: int
     covered: bool  # the repetitions cover every collective of the recording's last min_steps steps
     difference: Difference | None  # the first difference in the step before the repetitions
+    steps_known: bool = True  # False: the recording has no step numbers; coverage is not checked
 
     @property
     def ok(self) -> bool:
@@ -63,7 +69,7 @@ class StepMatch:
     def to_json(self) -> dict:
         d = self.difference
         return {"match": self.ok, "expected": self.expected, "repeats": self.repeats, "min_steps": self.min_steps,
-                "covered": self.covered, "starts": [list(s) for s in self.starts],
+                "covered": self.covered, "steps_known": self.steps_known, "starts": [list(s) for s in self.starts],
                 "difference": None if d is None else {
                     "position": d.position, "expected": d.expected, "recorded": d.recorded,
                     "recorded_index": d.recorded_index, "recorded_step": d.recorded_step}}
@@ -94,7 +100,8 @@ def record_key(r: TraceRecord) -> Key:
     return (r.kind, r.size_bytes, r.dtype, r.group)
 
 
-def strict_match(expected: list[Key], recorded: list[TraceRecord], min_steps: int = 2) -> StepMatch:
+def strict_match(expected: list[Key], recorded: list[TraceRecord], min_steps: int = 2,
+                 steps_known: bool = True) -> StepMatch:
     """Match ``expected`` (one step) against the end of ``recorded``; see the module doc."""
     if min_steps < 1:
         raise ValueError("min_steps must be >= 1")
@@ -110,15 +117,15 @@ def strict_match(expected: list[Key], recorded: list[TraceRecord], min_steps: in
     run_start = end - repeats * n
     starts = tuple((i, recorded[i].step) for i in range(run_start, end, n)) if n else ()
     # the recording's last min_steps steps: those of the last collective and the ones before it
-    covered = False
-    if end:
+    covered = not steps_known
+    if end and steps_known:
         last = recorded[end - 1].step
         first_steady = next(i for i in range(end) if recorded[i].step >= last - min_steps + 1)
         covered = run_start <= first_steady
     difference = None
     if not (n and repeats >= min_steps and covered):
         difference = _first_difference(expected, seq, recorded, run_start)
-    return StepMatch(n, repeats, starts, min_steps, covered, difference)
+    return StepMatch(n, repeats, starts, min_steps, covered, difference, steps_known)
 
 
 def _first_difference(expected: list[Key], seq: list[Key], recorded: list[TraceRecord], run_start: int) -> Difference:
@@ -146,6 +153,11 @@ def format_match(m: StepMatch) -> str:
     """One line: whether the recording's steady-state steps equal the schedule's step."""
     what = "collective for collective (kind, order, bytes, dtype, group)"
     if m.ok:
+        if not m.steps_known:
+            first = m.starts[0][0] if m.starts else 0
+            return (f"match: the recording ends with the schedule's step of {m.expected} collectives {m.repeats} "
+                    f"times back to back, {what}, from call {first}; it has no step numbers (a Flight Recorder "
+                    f"dump), so the {first} collective(s) before them are not compared")
         where = ", ".join(f"call {i} (step {s})" for i, s in m.starts)
         return (f"match: the recording ends with the schedule's step of {m.expected} collectives {m.repeats} times "
                 f"back to back, {what}, from {where}")

@@ -6,7 +6,10 @@
 Used by the fidelity tests under ``commsim record`` and by bench/validate_local.py. The
 model is ``runtime.torch_models.build_model`` (Hugging Face's RobertaForMaskedLM tree);
 activation checkpointing per layer as in the seed scenario unless --no-checkpointing.
-The optimizer is torch's AdamW (DeepSpeed's own CPU Adam needs a compiled op).
+The optimizer is torch's AdamW (DeepSpeed's own CPU Adam needs a compiled op). With the
+ds_config's ``comms_logger`` enabled it prints ``deepspeed.comm.log_summary()`` at the end
+and, with --comms-raw-json, saves the logger's raw data (tests/runtime/test_run_records.py
+reads both into calibration points).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ def main() -> None:
                          "by self time, and write the Chrome trace (with input shapes) here")
     ap.add_argument("--mark-modules", action="store_true",
                     help="under commsim record: insert a marker per module hook (which module sent what)")
+    ap.add_argument("--comms-raw-json", metavar="FILE",
+                    help="with the ds_config's comms_logger enabled: write its get_raw_data() here (rank 0) before "
+                    "log_summary() prints the table")
     ap.add_argument("--build-shm-comm", action="store_true",
                     help="let DeepSpeed build its CPU shared-memory all-reduce op (inference only; skipped by default)")
     args = ap.parse_args()
@@ -122,6 +128,13 @@ def main() -> None:
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
             json.dump({"step_times_s": times, "phase_times_s": phase_times}, f)
+    if ds_cfg.get("comms_logger", {}).get("enabled"):
+        # DeepSpeed's comms logger: its raw per-op values, then the summary table on rank
+        # 0's stdout (with "verbose" the per-op lines were logged as the ops ran)
+        if args.comms_raw_json and dist.get_rank() == 0:
+            with open(args.comms_raw_json, "w") as f:
+                json.dump(deepspeed.comm.comms_logger.get_raw_data(), f)
+        deepspeed.comm.log_summary()
     dist.barrier()
 
 

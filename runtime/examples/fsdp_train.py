@@ -8,7 +8,10 @@ the LM head form the root unit), as FSDP users shard a transformer, with the set
 of ``--fsdp-config`` (commsim.strategies.fsdp2_config: the keys of ``fully_shard``'s
 arguments; the same file ``commsim schedule --strategy fsdp2 --fsdp-config`` reads).
 Used under ``commsim record`` by the fidelity tests (tests/runtime/test_fsdp2_fidelity.py)
-and by bench/validate_local.py (``--timings``). The optimizer is torch's AdamW.
+and by bench/validate_local.py (``--timings``). The optimizer is torch's AdamW. The run
+keeps its own records on request (``runtime.examples.records``): a torch.profiler trace
+of its steps (--torch-profile-dir) and Flight Recorder dumps (--flight-recorder,
+--flight-recorder-json), as tests/runtime/test_run_records.py reads them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 import datetime
 import json
 import time
+
+from runtime.examples import records
 
 
 def main() -> None:
@@ -32,7 +37,9 @@ def main() -> None:
     ap.add_argument("--timings", help="write per-step wall times (JSON) here, rank 0 only")
     ap.add_argument("--mark-modules", action="store_true",
                     help="under commsim record: insert a marker per module hook (which module sent what)")
+    records.add_arguments(ap)
     args = ap.parse_args()
+    records.before_init(args)
 
     import torch
     import torch.distributed as dist
@@ -86,31 +93,34 @@ def main() -> None:
     gas = fc.gradient_accumulation_steps
     times = []
     phase_times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}  # summed over micro-steps
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        spent = dict.fromkeys(phase_times, 0.0)
-        for micro in range(gas):
-            if not fc.requires_gradient_sync:
-                # reduce only at the last micro-step (FSDP1's no_sync)
-                model.set_requires_gradient_sync(micro == gas - 1)
-            ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
+    with records.profiling(args, args.steps) as prof:
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            spent = dict.fromkeys(phase_times, 0.0)
+            for micro in range(gas):
+                if not fc.requires_gradient_sync:
+                    # reduce only at the last micro-step (FSDP1's no_sync)
+                    model.set_requires_gradient_sync(micro == gas - 1)
+                ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
+                t0 = time.perf_counter()
+                loss = model(ids, labels=ids)
+                t1 = time.perf_counter()
+                loss.backward()
+                spent["forward"] += t1 - t0
+                spent["backward"] += time.perf_counter() - t1
             t0 = time.perf_counter()
-            loss = model(ids, labels=ids)
-            t1 = time.perf_counter()
-            loss.backward()
-            spent["forward"] += t1 - t0
-            spent["backward"] += time.perf_counter() - t1
-        t0 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        spent["step"] = time.perf_counter() - t0
-        times.append(time.perf_counter() - t)
-        for k, v in spent.items():
-            phase_times[k].append(v)
+            opt.step()
+            opt.zero_grad()
+            spent["step"] = time.perf_counter() - t0
+            times.append(time.perf_counter() - t)
+            for k, v in spent.items():
+                phase_times[k].append(v)
+            prof.step()
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
             json.dump({"step_times_s": times, "phase_times_s": phase_times}, f)
     dist.barrier()
+    records.dump_flight_recorder(args, dist.get_rank())
     dist.destroy_process_group()
 
 
