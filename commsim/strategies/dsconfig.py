@@ -73,6 +73,7 @@ _KNOWN_UNUSED_TOP = {
     "flops_profiler", "comms_logger", "tensorboard", "wandb", "csv_monitor", "dump_state", "checkpoint",
     "data_types", "compression_training", "aio", "zero_force_ds_cpu_optimizer", "memory_breakdown",
     "train_batch_size", "seed", "disable_allgather", "torch_autocast", "compile", "monitor_config",
+    "log_level",  # runtime/constants.py LOG_LEVEL (0.19.8)
 }
 # Blocks DeepSpeed 0.19.8 refuses (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS); older
 # versions accepted them. commsim warns rather than refusing: the schedule does not
