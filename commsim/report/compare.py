@@ -14,33 +14,10 @@ from dataclasses import dataclass
 
 from commsim.ir.ops import ComputeKind
 from commsim.ir.trace import HOST_STREAM, Trace, TraceRecord
+from commsim.util.intervals import length, uncovered
 
 COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
 COMPUTE = {k.value for k in ComputeKind}  # every compute op kind
-
-
-def _union(iv: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        elif b > a:
-            out.append((a, b))
-    return out
-
-
-def _length(iv: list[tuple[int, int]]) -> int:
-    return sum(b - a for a, b in _union(iv))
-
-
-def _exposed(comm: list[tuple[int, int]], comp: list[tuple[int, int]]) -> int:
-    """Time some collective runs while no compute kernel does."""
-    comp_u = _union(comp)
-    total = 0
-    for a, b in _union(comm):
-        covered = sum(max(0, min(b, d) - max(a, c)) for c, d in comp_u)
-        total += (b - a) - covered
-    return total
 
 
 # A step's phases as wall time, one after the other: forward from the step's start to
@@ -95,7 +72,7 @@ def step_view(records: list[TraceRecord]) -> StepView:
         phases[r.phase] = phases.get(r.phase, 0) + r.end_ns - r.start_ns
     comm = [(r.start_ns, r.end_ns) for r in dev if r.kind in COLLECTIVES]
     comp = [(r.start_ns, r.end_ns) for r in dev if r.kind in COMPUTE and r.stream == "compute"]
-    return StepView(step, {s: _length(iv) for s, iv in streams.items()}, phases, _length(comm), _exposed(comm, comp),
+    return StepView(step, {s: length(iv) for s, iv in streams.items()}, phases, length(comm), uncovered(comm, comp),
                     phase_times(records))
 
 

@@ -29,32 +29,7 @@ from typing import Iterable
 
 from commsim.ir.trace import HOST_STREAM, Trace
 from commsim.report.kineto import op_class, rank_records, step_origins
-
-
-def _merged(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _length(merged: list[tuple[int, int]]) -> int:
-    return sum(b - a for a, b in merged)
-
-
-def _common(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
-    """Length of the intersection of two merged interval lists."""
-    total, i, j = 0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+from commsim.util.intervals import length, overlap, union
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +72,7 @@ def device_breakdown(trace: Trace, rank: int, steps: Iterable[int] | None = None
             continue
         lo, _, at = origins[r.step]
         by_class[op_class(r.kind)].append((at + r.start_ns - lo, at + r.end_ns - lo))
-    every = _merged(iv for ivs in by_class.values() for iv in ivs)
-    comp, comm = _merged(by_class["computation"]), _merged(by_class["communication"])
+    every = union(iv for ivs in by_class.values() for iv in ivs)
+    comp, comm = by_class["computation"], by_class["communication"]
     span = every[-1][1] - every[0][0] if every else 0
-    return DeviceBreakdown(span, _length(every), _length(comp), _length(comm), _common(comm, comp))
+    return DeviceBreakdown(span, length(every), length(comp), length(comm), overlap(comm, comp))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from commsim.ir import ops as O
 from commsim.models.spec import ModelDescription
 from commsim.sim.records import HOST, HostBlock, OpRecord, SimResult
+from commsim.util.intervals import length, uncovered
 
 COMPUTE_STREAM = "compute"
 STALL_CAUSES = ("all_gather", "reduce_scatter", "other_comm", "straggler", "host", "allocator_flush",
@@ -70,42 +71,6 @@ def step_info(md: ModelDescription, world_size: int, nodes: int, grad_accum: int
 
 
 # ---------------------------------------------------------------- intervals
-
-
-def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(intervals):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _length(intervals: list[tuple[int, int]]) -> int:
-    return sum(b - a for a, b in intervals)
-
-
-def _subtract(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
-    """Length of union(a) minus union(b)."""
-    a, b = _union(a), _union(b)
-    total, j = 0, 0
-    for s, e in a:
-        cur = s
-        while j < len(b) and b[j][1] <= cur:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > cur:
-                total += b[k][0] - cur
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < e:
-            total += e - cur
-    return total
 
 
 # ---------------------------------------------------------------- stalls
@@ -228,9 +193,9 @@ def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) 
     records = [r for r in rr.records if r.stream != HOST]
     comp = [(r.start_ns, r.end_ns) for r in records if r.stream == COMPUTE_STREAM and isinstance(r.op, O.Compute)]
     comm = [(r.start_ns, r.end_ns) for r in records if isinstance(r.op, O.Collective)]
-    busy = _length(_union(comp))
-    comm_ns = _length(_union(comm))
-    exposed = _subtract(comm, comp)
+    busy = length(comp)
+    comm_ns = length(comm)
+    exposed = uncovered(comm, comp)
     stalls = stall_breakdown(records, rr.host_blocks, step_ns)
     allocs = [r.allocator for r in result.ranks.values() if r.allocator is not None]
     tokens_per_step = info.tokens_per_gpu * info.world_size
