@@ -1,5 +1,6 @@
 """commsim sweep: a grid predicted in parallel into a tidy, resumable table."""
 
+import io
 import subprocess
 import sys
 
@@ -8,7 +9,8 @@ import pytest
 
 from commsim.api import Scenario
 from commsim.ir.errors import CommsimInputError
-from commsim.sweep import parse_grid, scenario_for, sweep
+from commsim.sweep import parse_grid, scenario_for, sweep, text_progress
+from commsim.sweep.table import append_row
 
 BASE = Scenario(model="tiny", nodes=1, gpus_per_node=2, micro_batch=2, seq=16)
 
@@ -73,3 +75,35 @@ def test_fsdp2_settings_are_grid_axes():
     assert len(df) == 2 and (df["error"] == "").all()
     keep, reshard = (df[df["fsdp.reshard_after_forward"] == v].iloc[0] for v in (False, True))
     assert keep["comm_time_s"] < reshard["comm_time_s"]  # no all-gathers in backward
+
+
+def test_a_wider_row_rewrites_the_table_as_text(tmp_path):
+    out = tmp_path / "s.csv"
+    header = append_row(out, {"point_id": "0123", "stage": 2, "error": "bad"}, None)
+    header = append_row(out, {"point_id": "4567", "stage": 3, "error": "", "step_time_s": 0.5}, header)
+    assert header == ["point_id", "stage", "error", "step_time_s"]
+    # the first id stays text (a numeric read would have written 123)
+    assert out.read_text() == "point_id,stage,error,step_time_s\n0123,2,bad,\n4567,3,,0.5\n"
+
+
+def test_ray_flags_need_the_ray_backend(tmp_path, capsys):
+    from commsim.cli import main
+
+    args = ["sweep", "--model", "tiny", "--grid", "stage=2,3", "-o", str(tmp_path / "s.csv")]
+    assert main(args + ["--address", "auto"]) == 2
+    assert capsys.readouterr().err == "commsim: error: --address / --ray-runtime-env: only with --backend ray\n"
+    assert main(args + ["--backend", "ray", "--ray-runtime-env", "[1]"]) == 2
+    assert capsys.readouterr().err == "commsim: error: --ray-runtime-env: a JSON object, e.g. '{\"pip\": [\"commsim\"]}'\n"
+    assert not (tmp_path / "s.csv").exists()
+
+
+def test_the_progress_clock_starts_at_the_last_zero():
+    stream, times = io.StringIO(), iter([0.0, 10.0, 10.0, 12.0, 13.0])
+    show = text_progress(stream, clock=lambda: next(times))
+    show(0, 4)  # say a backend's start-up takes 10 s: the clock restarts
+    show(1, 4)
+    show(4, 4)
+    assert stream.getvalue().split("\r")[1:] == [
+        "sweep [------------------------------] 0/4 points, 0 s elapsed, ~0 s left ",
+        "sweep [#######-----------------------] 1/4 points, 2 s elapsed, ~6 s left ",
+        "sweep [##############################] 4/4 points, 3 s elapsed, ~0 s left \n"]

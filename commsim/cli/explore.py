@@ -26,8 +26,24 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     n = 1
     for v in grid.values():
         n *= len(v)
-    print(f"sweep: {n} points over {', '.join(grid)} -> {args.output}", file=sys.stderr)
-    df = sweep(base, grid, jobs=args.jobs, output=args.output, progress=None if args.quiet else text_progress())
+    runtime_env = None
+    if args.ray_runtime_env is not None:
+        try:
+            runtime_env = json.loads(args.ray_runtime_env)
+        except json.JSONDecodeError as e:
+            raise CommsimInputError(f"--ray-runtime-env: not JSON ({e})") from None
+        if not isinstance(runtime_env, dict):
+            raise CommsimInputError("--ray-runtime-env: a JSON object, e.g. '{\"pip\": [\"commsim\"]}'")
+    if args.backend == "ray":
+        from commsim.sweep.ray_backend import require_ray
+
+        require_ray()  # before any output: without Ray the one line is the error
+    elif args.address is not None or args.ray_runtime_env is not None:
+        raise CommsimInputError("--address / --ray-runtime-env: only with --backend ray")
+    on = "" if args.backend == "local" else " on ray"
+    print(f"sweep: {n} points over {', '.join(grid)}{on} -> {args.output}", file=sys.stderr)
+    df = sweep(base, grid, jobs=args.jobs, output=args.output, progress=None if args.quiet else text_progress(),
+               backend=args.backend, address=args.address, runtime_env=runtime_env)
     errors = int((df["error"].notna() & (df["error"] != "")).sum()) if "error" in df else 0  # empty: NaN
     print(f"{args.output}: {len(df)} rows ({errors} with errors)")
     # this grid's points, whether they ran now or in an earlier run of a resumed sweep
@@ -98,14 +114,25 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="predict a grid of scenarios in parallel into a table (resumable)",
                        description="Predict every combination of the --grid axes (on top of the other flags, which "
-                       "set the base scenario), in parallel, appending one CSV row per point as it finishes; a "
-                       "rerun with the same -o skips the points already there.")
+                       "set the base scenario), in parallel (a local process pool, or Ray tasks with --backend ray), "
+                       "appending one CSV row per point as it finishes; a rerun with the same -o skips the points "
+                       "already there.")
     add_scenario_flags(p)
     add_hardware_flags(p)
     p.add_argument("--grid", action="append", metavar="NAME=V1,V2",
                    help="an axis: a predict setting (stage, net, nodes, model, preset, micro_batch, strategy, ...), "
                    "knob.NAME, ds.KEY or, with --strategy fsdp2, fsdp.KEY (an --fsdp-config key) (repeatable)")
-    p.add_argument("--jobs", type=positive_int, default=2, help="parallel workers (default 2)")
+    p.add_argument("--jobs", type=positive_int, default=2,
+                   help="parallel workers (default 2); with --backend ray, the CPUs of the Ray instance it starts")
+    p.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local: a process pool on this machine (default); ray: batches of points as Ray tasks "
+                   "(needs pip install 'commsim[ray]')")
+    p.add_argument("--address", help="--backend ray: the Ray cluster to run on (auto, HOST:PORT or ray://HOST:PORT); "
+                   "default: RAY_ADDRESS when set, else a local Ray instance of --jobs CPUs, started and shut down "
+                   "here")
+    p.add_argument("--ray-runtime-env", metavar="JSON",
+                   help="--backend ray: Ray's runtime_env for the workers, e.g. '{\"pip\": [\"commsim==0.1.0\"]}' "
+                   "when the cluster's Python lacks commsim")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", default="sweep.csv", help="results CSV (default sweep.csv)")
     p.set_defaults(func=cmd_sweep, schedule=None)

@@ -1,4 +1,5 @@
-"""Sweeps: predict every point of a grid, in parallel, resumably, as a tidy table.
+"""A sweep's grid: axes parsed from ``NAME=V1,V2,...``, their points, each point's
+stable id and scenario, and one point (or a batch of points) predicted as table rows.
 
 A grid axis is ``NAME=V1,V2,...`` where NAME is a ``Scenario`` field (``model``,
 ``cluster``, ``nodes``, ``gpus_per_node``, ``net``, ``stage``, ``preset``,
@@ -8,22 +9,18 @@ for ``zero_optimization`` keys, ``ds.train_micro_batch_size_per_gpu`` and the ot
 top-level keys by their names) or, with ``strategy`` fsdp2, an FSDP2 setting
 (``fsdp.reshard_after_forward``, ``fsdp.hsdp_replicas``, ...; ``null`` for None). Each
 point becomes one row: its parameters, a stable
-``point_id``, and the prediction's metrics (or its error). Rows are appended to a CSV
-as they finish, so a rerun with the same output skips the points already there.
+``point_id`` (a hash of the point and the base scenario: the resume key), and the
+prediction's metrics (or its error).
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import itertools
 import json
-import multiprocessing as mp
-import sys
 import time
 from dataclasses import fields
-from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable, Sequence
 
 from commsim.api import Scenario, predict
 from commsim.ir.errors import CommsimInputError
@@ -86,17 +83,15 @@ def point_id(point: dict[str, Any], base: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def keyed_points(base: Scenario, grid: dict[str, list[Any]]) -> list[tuple[dict[str, Any], str]]:
+    """Every point of ``grid`` over ``base`` with its ``point_id``, in grid order."""
+    key = _base_key(base)
+    return [(p, point_id(p, key)) for p in points(grid)]
+
+
 def point_ids(base: Scenario, grid: dict[str, list[Any]]) -> list[str]:
     """The ``point_id`` of every point of ``grid`` over ``base``, as its table rows carry them."""
-    return [point_id(p, _base_key(base)) for p in points(grid)]
-
-
-def failed_points(path: str | Path, base: Scenario, grid: dict[str, list[Any]]) -> int:
-    """How many points of ``grid`` have an error row in the table at ``path`` (read as
-    text: a pandas read could take an all-digit point_id for a number)."""
-    ids = set(point_ids(base, grid))
-    with Path(path).open(newline="") as f:
-        return sum(1 for r in csv.DictReader(f) if r.get("point_id") in ids and r.get("error"))
+    return [pid for _, pid in keyed_points(base, grid)]
 
 
 def _base_key(base: Scenario) -> dict[str, Any]:
@@ -182,76 +177,7 @@ def run_point(args: tuple[Scenario, dict[str, Any], str]) -> dict[str, Any]:
     return row
 
 
-def _done_ids(path: Path) -> set[str]:
-    if not path.exists():
-        return set()
-    with path.open(newline="") as f:
-        return {r["point_id"] for r in csv.DictReader(f) if r.get("point_id")}
-
-
-def sweep(base: Scenario, grid: dict[str, list[Any]], jobs: int = 2, output: str | Path | None = None,
-          progress: Callable[[int, int], None] | None = None):
-    """Predict every grid point; returns a pandas DataFrame (also appended to ``output``)."""
-    import pandas as pd
-
-    pts = points(grid)
-    todo = [(base, p, point_id(p, _base_key(base))) for p in pts]
-    out = Path(output) if output else None
-    done = _done_ids(out) if out else set()
-    todo = [t for t in todo if t[2] not in done]
-    rows: list[dict[str, Any]] = []
-    header: list[str] | None = None
-    if out and out.exists():
-        with out.open(newline="") as f:
-            header = next(csv.reader(f), None)
-    total, finished = len(todo), 0
-    if progress:
-        progress(0, total)
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(max(1, jobs)) as pool:
-        for row in pool.imap_unordered(run_point, todo):
-            rows.append(row)
-            if out:
-                header = _append(out, row, header)
-            finished += 1
-            if progress:
-                progress(finished, total)
-    if out:
-        return pd.read_csv(out)
-    return pd.DataFrame(rows)
-
-
-def _append(path: Path, row: dict[str, Any], header: list[str] | None) -> list[str]:
-    if header is None:
-        header = list(row)
-        with path.open("w", newline="") as f:
-            csv.writer(f).writerow(header)
-    extra = [k for k in row if k not in header]
-    if extra:  # a column the first rows lacked: rewrite with the wider header
-        import pandas as pd
-
-        df = pd.read_csv(path)
-        header = header + extra
-        df = df.reindex(columns=header)
-        df.to_csv(path, index=False)
-    with path.open("a", newline="") as f:
-        csv.writer(f).writerow([row.get(k, "") for k in header])
-    return header
-
-
-def text_progress(stream=sys.stderr) -> Callable[[int, int], None]:
-    """A one-line progress bar with rate and time left."""
-    t0 = time.perf_counter()
-
-    def show(done: int, total: int) -> None:
-        width = 30
-        frac = done / total if total else 1.0
-        bar = "#" * int(width * frac) + "-" * (width - int(width * frac))
-        el = time.perf_counter() - t0
-        eta = el / done * (total - done) if done else 0.0
-        stream.write(f"\rsweep [{bar}] {done}/{total} points, {el:.0f} s elapsed, ~{eta:.0f} s left ")
-        if done == total:
-            stream.write("\n")
-        stream.flush()
-
-    return show
+def run_batch(base: Scenario, batch: Sequence[tuple[dict[str, Any], str]]) -> list[dict[str, Any]]:
+    """Several grid points (each with its ``point_id``) predicted one after another, as rows
+    in the same order: the unit of work a remote worker runs (see ``ray_backend``)."""
+    return [run_point((base, point, pid)) for point, pid in batch]
