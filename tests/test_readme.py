@@ -28,6 +28,8 @@ SKIPPED = {
         "installs, then runs this whole suite",
     "commsim sweep --grid stage=2,3 --grid net=efa,ib --grid nodes=2,4,8,16":
         "64 predictions, 15-30 s on two cores (the plot block runs a small sweep)",
+    "pip install 'commsim[ray]'": "installs; then starts a Ray instance, 15-30 s on two cores "
+        "(tests/test_sweep_ray.py runs Ray sweeps)",
     "commsim tune --net efa -o ds_config.json": "two searches, 78 predictions, about 40 s",
     "commsim calibrate --nproc-per-node 2": "launches torch ranks (calibrate, then execute), about a minute",
     "printf '{\"train_micro_batch_size_per_gpu\": 2":
