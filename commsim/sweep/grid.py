@@ -129,35 +129,32 @@ def scenario_for(base: Scenario, point: dict[str, Any]) -> Scenario:
     return base.with_(knobs=tuple(knobs), **changes)
 
 
-def base_fsdp_config(base: Scenario) -> dict[str, Any]:
-    """The scenario's FSDP2 settings as a JSON object (the seed scenario's when none)."""
-    if base.fsdp_config is None:
-        from commsim.api import default_fsdp_config
-
-        return default_fsdp_config()
-    if isinstance(base.fsdp_config, dict):
-        return json.loads(json.dumps(base.fsdp_config))
+def _config_object(value: str | dict | None, default, what: str) -> dict[str, Any]:
+    """A config given as a dict (copied), a JSON file's path, or None (``default()``)."""
+    if value is None:
+        return default()
+    if isinstance(value, dict):
+        return json.loads(json.dumps(value))
     from commsim.util.files import read_json
 
-    obj = read_json(base.fsdp_config, CommsimInputError)
+    obj = read_json(value, CommsimInputError)
     if not isinstance(obj, dict):
-        raise CommsimInputError(f"{base.fsdp_config}: an FSDP2 config is one JSON object")
+        raise CommsimInputError(f"{value}: {what} is one JSON object")
     return obj
+
+
+def base_fsdp_config(base: Scenario) -> dict[str, Any]:
+    """The scenario's FSDP2 settings as a JSON object (the seed scenario's when none)."""
+    from commsim.api import default_fsdp_config
+
+    return _config_object(base.fsdp_config, default_fsdp_config, "an FSDP2 config")
 
 
 def base_ds_config(base: Scenario) -> dict[str, Any]:
-    if base.ds_config is None:
-        from commsim.api import default_ds_config
+    """The scenario's DeepSpeed config as a JSON object (the stage's default when none)."""
+    from commsim.api import default_ds_config
 
-        return default_ds_config(base.stage)
-    if isinstance(base.ds_config, dict):
-        return json.loads(json.dumps(base.ds_config))
-    from commsim.util.files import read_json
-
-    obj = read_json(base.ds_config, CommsimInputError)
-    if not isinstance(obj, dict):
-        raise CommsimInputError(f"{base.ds_config}: a DeepSpeed config is one JSON object")
-    return obj
+    return _config_object(base.ds_config, lambda: default_ds_config(base.stage), "a DeepSpeed config")
 
 
 def run_point(args: tuple[Scenario, dict[str, Any], str]) -> dict[str, Any]:
