@@ -61,8 +61,8 @@ class CurrentRelease:
     hooks (DeepSpeedZeRoOffload) and stage-3 optimizer, built as deepspeed.initialize
     builds them, on the fake process group; collectives stubbed."""
 
-    def __init__(self, world: int = WORLD):
-        self.world = world
+    def __init__(self, world: int = WORLD, bucket: int = BUCKET):
+        self.world, self.bucket = world, bucket
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         for k, v in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", str(world)), ("LOCAL_WORLD_SIZE", "1"),
                      ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29555")):
@@ -95,7 +95,7 @@ class CurrentRelease:
                "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": PREFETCH_BUCKET,
                                      "stage3_param_persistence_threshold": PERSISTENCE - 1,
                                      "stage3_max_reuse_distance": REUSE, "stage3_max_live_parameters": LIVE,
-                                     "reduce_bucket_size": BUCKET}}
+                                     "reduce_bucket_size": self.bucket}}
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = build_model(model_config())
         model.gradient_checkpointing_enable(True)
@@ -255,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--world", type=int, default=WORLD, help="ranks of the fake process group (default 64)")
+    ap.add_argument("--bucket", type=int, default=BUCKET,
+                    help=f"reduce bucket, elements (default {BUCKET}: the seed's ratio; smaller flushes more often)")
     args = ap.parse_args(argv)
     if args.deepspeed != "0.19.8" and not args.source:
         ap.error(f"--source: DeepSpeed {args.deepspeed} is read from its unpacked sdist")
-    release = (CurrentRelease(args.world) if args.deepspeed == "0.19.8"
-               else OldRelease(args.deepspeed, args.source, args.world))
+    release = (CurrentRelease(args.world, args.bucket) if args.deepspeed == "0.19.8"
+               else OldRelease(args.deepspeed, args.source, args.world, args.bucket))
     import torch
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
@@ -273,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         "primitives": primitives(torch, args.world),
         "world": args.world,
         "model": {"hidden": HIDDEN, "ffn": FFN, "layers": LAYERS, "vocab": VOCAB},
-        "config": {"prefetch_bucket": PREFETCH_BUCKET, "persistence": PERSISTENCE, "reuse": REUSE, "live": LIVE},
+        "config": {"prefetch_bucket": PREFETCH_BUCKET, "persistence": PERSISTENCE, "reuse": REUSE, "live": LIVE,
+                   "reduce_bucket": args.bucket},
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},
         "date": datetime.date.today().isoformat(),

@@ -21,8 +21,8 @@ class OldRelease:
     its own coordinator; only the optimizer's constructor (CUDA allocations) is
     replaced by setting the attributes those routines read."""
 
-    def __init__(self, version: str, source: str, world: int):
-        self.world = world
+    def __init__(self, version: str, source: str, world: int, bucket: int = BUCKET):
+        self.world, self.bucket = world, bucket
         sys.path.insert(0, source)
         import torch
 
@@ -99,7 +99,7 @@ class OldRelease:
         opt.dtype = torch.float32
         opt.device = torch.device("cpu")
         opt.overlap_comm = opt.contiguous_gradients = True
-        opt.reduce_bucket_size = BUCKET
+        opt.reduce_bucket_size = self.bucket
         opt.reduce_scatter = True
         opt.offload_optimizer = opt.offload_param = opt.swap_optimizer = opt.offload_param_pin_memory = False
         opt.dp_process_group = torch.distributed.group.WORLD
@@ -130,7 +130,7 @@ class OldRelease:
             for p in params:
                 parts[p.ds_id] = flat.narrow(0, off, p.ds_tensor.numel())
                 off += p.ds_tensor.numel()
-            for name, value in (("ipg_bucket_flat_buffer", torch.empty(BUCKET)),
+            for name, value in (("ipg_bucket_flat_buffer", torch.empty(self.bucket)),
                                 ("param_id_to_grad_partition", parts), ("params_in_ipg_bucket", []),
                                 ("param_reduce_events", collections.deque()), ("max_param_reduce_events", 2),
                                 ("reduce_and_partition_stream", NoopStream()), ("allgather_stream", NoopStream()),
@@ -223,7 +223,7 @@ class OldRelease:
         ids = torch.randint(0, VOCAB, (2, 16))
         if not self.new:
             # backward(): the bucket buffers made per backward (s3:2929-2942)
-            opt.ipg_buffer = [torch.empty(BUCKET), torch.empty(BUCKET)]
+            opt.ipg_buffer = [torch.empty(self.bucket), torch.empty(self.bucket)]
             opt.ipg_index = 0
             opt.param_coordinator.reset_step()
         loss = self.model(ids, ids)
