@@ -64,36 +64,43 @@ def _assert_compute_waits_for_gathers(schedule):
     """No compute reads a gathered parameter before the op that wrote it is an ancestor.
 
     Ancestors follow explicit deps, stream order, and host syncs (an op issued after a
-    host sync on X starts after X).
+    host sync on X starts after X). Each op's ancestors are a bit set over the step's op
+    indices (an int), so a step of thousands of kernels checks in linear-ish time.
     """
     step = schedule.programs[0].step
-    anc: dict[int, set[int]] = {}
-    last_on: dict[str, int] = {}
-    host_done: set[int] = set()  # ops known finished when the host passes this point
-    writer: dict[str, int] = {}
     index = {op.id: i for i, op in enumerate(step)}
-    for i, op in enumerate(step):
+    anc: dict[int, int] = {}  # device op id -> its ancestors' bits
+    last_on: dict[str, int] = {}
+    host_done = 0  # ops known finished when the host passes this point, closed under ancestry
+    writer: dict[str, int] = {}
+
+    def closed(ids) -> int:
+        bits = 0
+        for j in ids:
+            if j in anc:
+                bits |= anc[j] | (1 << index[j])
+        return bits
+
+    for op in step:
         if isinstance(op, O.HostSync):
             if op.scope is O.SyncScope.DEVICE:
-                host_done |= set(last_on.values())
+                host_done |= closed(last_on.values())
             elif op.scope is O.SyncScope.STREAM and op.stream in last_on:
-                host_done.add(last_on[op.stream])
+                host_done |= closed([last_on[op.stream]])
             else:
-                host_done |= set(op.deps)
-            host_done = set().union(*(anc[j] | {j} for j in host_done if j in anc)) if host_done else host_done
+                host_done |= closed(op.deps)
             continue
         if not O.is_device_op(op):
             continue
-        a = set(host_done)
         preds = list(op.deps) + ([last_on[op.stream]] if op.stream in last_on else [])
-        for d in preds:
-            a |= anc[d] | {d}
+        a = host_done | closed(preds)
         anc[op.id] = a
         last_on[op.stream] = op.id
         if isinstance(op, O.Compute):
             for b in op.buffers:
                 if b.startswith("param:") and b in writer:
-                    assert writer[b] in a, f"{op.label} may read {b} before {step[index[writer[b]]].label} ends"
+                    w = writer[b]
+                    assert a >> index[w] & 1, f"{op.label} may read {b} before {step[index[w]].label} ends"
         if isinstance(op, (O.Collective, O.Copy)) and op.stream != "compute" or isinstance(op, O.Collective):
             for b in op.buffers:
                 writer[b] = op.id
