@@ -55,7 +55,7 @@ from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.fsdp2_comm import (AG_STREAMS, COMPUTE, COPY_IN, DTYPES, REDUCE_SCATTER, Comm, Gathered,
                                            Reduced, Streams)
 from commsim.strategies.fsdp2_config import FSDP2Config
-from commsim.strategies.fsdp2_layout import FSDP2Layout, Unit
+from commsim.strategies.fsdp2_layout import FSDP2Layout, Unit, local_numel
 from commsim.strategies.knobs import HostCosts
 from commsim.strategies.optimizer import adam_step
 from commsim.strategies.zero3_trace import CHECKPOINT_STYLES
@@ -91,9 +91,10 @@ class FSDP2Lowering:
     """One rank's FSDP2 step. One instance lowers one step."""
 
     def __init__(self, md: ModelDescription, world_size: int, cfg: FSDP2Config, costs: HostCosts,
-                 checkpointing: bool, checkpoint_style: str = "reentrant"):
+                 checkpointing: bool, checkpoint_style: str = "reentrant", foreach: bool = True):
         assert checkpoint_style in CHECKPOINT_STYLES, checkpoint_style
         self.md, self.cfg, self.costs = md, cfg, costs
+        self.foreach = foreach  # torch's AdamW default: foreach on GPUs, single-tensor on CPUs
         self.checkpointing, self.style = checkpointing, checkpoint_style
         self.layout = FSDP2Layout.build(md, world_size, cfg)
         lay = self.layout
@@ -484,7 +485,15 @@ class FSDP2Lowering:
         else:
             state = tuple(self._shard_buffer(u) for u in self.layout.units) + ("exp_avg", "exp_avg_sq") + \
                 tuple(g.grad for g in self.groups if g.grad)
-            adam_step(b, COMPUTE, "optimizer.adamw", n, state, "torch", c.launch_ns, deps=self.streams.deps(COMPUTE))
+            deps = self.streams.deps(COMPUTE)
+            if self.foreach:  # _multi_tensor_adam: each pass over every parameter's rows at once
+                adam_step(b, COMPUTE, "optimizer.adamw", n, state, "torch", c.launch_ns, deps=deps)
+            else:  # _single_tensor_adam: a parameter's passes, then the next's, each op a DTensor's
+                for u in self.layout.units:
+                    for p in u.params:
+                        adam_step(b, COMPUTE, f"optimizer.adamw:{p.name}", local_numel(p, self.layout.shard), state,
+                                  "torch", c.launch_ns + c.dtensor_op_ns, deps=deps)
+                        deps = ()
         for g in self.groups:  # zero_grad(set_to_none=True)
             if g.grad is not None:
                 b.free(g.grad, g.grad_stream, f"sharded gradient of {g.unit.name}")
