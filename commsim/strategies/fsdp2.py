@@ -57,7 +57,7 @@ from commsim.strategies.fsdp2_comm import (AG_STREAMS, COMPUTE, COPY_IN, DTYPES,
 from commsim.strategies.fsdp2_config import FSDP2Config
 from commsim.strategies.fsdp2_layout import FSDP2Layout, Unit, local_numel
 from commsim.strategies.knobs import HostCosts
-from commsim.strategies.optimizer import adam_step
+from commsim.strategies.optimizer import torch_adamw
 from commsim.strategies.zero3_trace import CHECKPOINT_STYLES
 
 SHARDED, POST_FORWARD, UNSHARDED = "sharded", "sharded_post_forward", "unsharded"  # ShardedState
@@ -485,15 +485,9 @@ class FSDP2Lowering:
         else:
             state = tuple(self._shard_buffer(u) for u in self.layout.units) + ("exp_avg", "exp_avg_sq") + \
                 tuple(g.grad for g in self.groups if g.grad)
-            deps = self.streams.deps(COMPUTE)
-            if self.foreach:  # _multi_tensor_adam: each pass over every parameter's rows at once
-                adam_step(b, COMPUTE, "optimizer.adamw", n, state, "torch", c.launch_ns, deps=deps)
-            else:  # _single_tensor_adam: a parameter's passes, then the next's, each op a DTensor's
-                for u in self.layout.units:
-                    for p in u.params:
-                        adam_step(b, COMPUTE, f"optimizer.adamw:{p.name}", local_numel(p, self.layout.shard), state,
-                                  "torch", c.launch_ns + c.dtensor_op_ns, deps=deps)
-                        deps = ()
+            params = [(p.name, local_numel(p, self.layout.shard)) for u in self.layout.units for p in u.params]
+            torch_adamw(b, COMPUTE, "optimizer.adamw", params, state, c.launch_ns, self.foreach, c.dtensor_op_ns,
+                        deps=self.streams.deps(COMPUTE))
         for g in self.groups:  # zero_grad(set_to_none=True)
             if g.grad is not None:
                 b.free(g.grad, g.grad_stream, f"sharded gradient of {g.unit.name}")
