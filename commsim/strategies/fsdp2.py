@@ -38,8 +38,9 @@ then the root). What runs, and when, follows torch/distributed/fsdp/_fully_shard
   the unsharded gradient in the reduce dtype, ``to_accumulated_grad_if_needed``), later
   micro-steps add into it; with sync every micro-step the new sharded gradient is
   added into the last one's;
-* the optimizer: torch's AdamW (foreach) on this rank's unpadded rows, fp32
-  (optimizer.py), or on the host with CPU offload; ``zero_grad`` frees the gradients.
+* the optimizer: torch's AdamW on this rank's unpadded rows, fp32 (optimizer.py:
+  foreach on GPUs; on CPUs single-tensor, each parameter's passes in turn, stating the
+  bytes they reuse), or on the host with CPU offload; ``zero_grad`` frees the gradients.
 
 Each rank's Python issues everything in that order; kernels run on the compute stream.
 """
@@ -57,14 +58,11 @@ from commsim.strategies.fsdp2_comm import (AG_STREAMS, COMPUTE, COPY_IN, DTYPES,
 from commsim.strategies.fsdp2_config import FSDP2Config
 from commsim.strategies.fsdp2_layout import FSDP2Layout, Unit, local_numel
 from commsim.strategies.knobs import HostCosts
-from commsim.strategies.optimizer import torch_adamw
+from commsim.strategies.optimizer import CPU_ADAM_BYTES, TORCH_ADAMW_BYTES, torch_adamw
 from commsim.strategies.zero3_trace import CHECKPOINT_STYLES
 
 SHARDED, POST_FORWARD, UNSHARDED = "sharded", "sharded_post_forward", "unsharded"  # ShardedState
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = "idle", "forward", "pre_backward", "post_backward"  # TrainingState
-# torch's AdamW moves 80 B per element (optimizer.py) where DeepSpeed's CPU Adam, which
-# HostCosts.cpu_adam_ps_per_param prices from the host's memory bandwidth, moves 30 B
-TORCH_ADAMW_BYTES, CPU_ADAM_BYTES = 80, 30
 
 
 @dataclass

@@ -33,6 +33,9 @@ from commsim.ir import ops as O
 from commsim.strategies.builder import ProgramBuilder
 
 IMPLEMENTATIONS = ("fused", "torch")
+# torch's AdamW moves 80 B per element where DeepSpeed's CPU Adam, which
+# HostCosts.cpu_adam_ps_per_param prices from the host's memory bandwidth, moves 30 B
+TORCH_ADAMW_BYTES, CPU_ADAM_BYTES = 80, 30
 
 # (label, flops per element, bytes read, bytes written, allocates the temporary t1/t2)
 _TORCH_PASSES = (
