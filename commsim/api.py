@@ -143,11 +143,21 @@ def _build_fsdp2(sc: Scenario):
     # (today's PyTorch dispatch and DeepSpeed 0.19.8's module hook; knobs.HostCosts)
     costs, source = _host_costs(sc, CURRENT.name)
     schedule = generate_fsdp2(md, world, cfg, checkpointing=sc.checkpointing, costs=costs,
-                              checkpoint_style=sc.checkpoint_style)
+                              checkpoint_style=sc.checkpoint_style, device=_device(sc, cfg.param_dtype))
     schedule = replace(schedule, meta=replace(schedule.meta, host_costs=source))
     info = step_info(md, world.size, sc.nodes, cfg.gradient_accumulation_steps, sc.checkpointing,
                      cluster.node.price_usd_per_hour)
     return schedule, md, info, cfg.param_dtype
+
+
+def _device(sc: Scenario, precision: str) -> str:
+    """Where the scenario's model lives: "cpu" on a platform that runs kernels on the host
+    (a gloo profile), else "cuda" (every cluster preset, an NCCL profile)."""
+    if not sc.hw_profile:
+        return "cuda"
+    from commsim.hardware.profile import load_profile
+
+    return "cpu" if load_profile(sc.hw_profile, precision).platform.inline_kernels else "cuda"
 
 
 def build_schedule(sc: Scenario):

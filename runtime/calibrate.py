@@ -10,7 +10,8 @@ Measured:
   device), and each exact shape of the schedules given;
 * memory-bound kernels by size, on data not in the cache (as a step's tensors are):
   a table, and a fixed cost per kernel and bandwidth (a least-squares fit of time over
-  bytes), used for elementwise ops and copies;
+  bytes), used for elementwise ops and copies; on CPUs also the last-level cache's size
+  and the same kernel's rate on data in it, for the bytes ops reuse;
 * on GPUs, host<->device copies as the executor makes them (pinned, non-blocking, each
   direction), and a kernel's fixed device cost;
 * each collective kind separately (all-gather, reduce-scatter, all-reduce, broadcast):
@@ -55,7 +56,7 @@ import torch.distributed as dist
 from commsim.hardware.platform import KernelExecution, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
-from runtime.calibrate_cpu import cpu_cores, rank_noise, time_slice
+from runtime.calibrate_cpu import cache, cpu_cores, rank_noise, time_slice
 from runtime.calibrate_profile import Measured, device_name, profile_document
 from runtime.collectives import all_gather, reduce_scatter
 from runtime.executor import RankExecutor, RankOptions
@@ -543,6 +544,7 @@ class Calibrator:
         gemm_by_dtype = {"fp32": self.gemm(torch.float32), "bf16": self.gemm(torch.bfloat16)}
         self.gemm_shapes_round()  # exact shapes: at the start, the middle and the end (not quick)
         mem_a, mem_bw, mem_points = self.memory()
+        in_cache = cache(self)
         kernel_ns = self.kernel_overhead_ns()
         copies = self.copies()
         colls = self.collectives()
@@ -567,5 +569,5 @@ class Calibrator:
             alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
             first_touch_s_per_byte=first_touch, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise,
             devices=devices, nodes=self.nodes, kernel_overhead_ns=kernel_ns, copies=copies,
-            allocator=allocator)
+            allocator=allocator, cache=in_cache)
         return profile_document(measured, self.platform, self.device, self.world, self.ranks_per_node)

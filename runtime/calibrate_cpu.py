@@ -1,6 +1,7 @@
 """What only a CPU platform's calibration measures: the cores a rank may run on, the
-OS time slice when a node has more ranks than cores, and how each rank's speed drifts
-apart from the others' when it has a core of its own.
+OS time slice when a node has more ranks than cores, how each rank's speed drifts
+apart from the others' when it has a core of its own, and the last-level cache's size
+and the memory-bound kernel's rate on data in it.
 
 Each measurement runs on every rank at once (a collective gathers or agrees on the
 result) and returns None where it does not apply: on platforms whose kernels are queued
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from commsim.hardware.noise import fit_rank_noise
 from commsim.ir import ops as O
+from runtime.kernels import last_level_cache_bytes
 
 if TYPE_CHECKING:
     from runtime.calibrate import Calibrator
@@ -97,3 +99,29 @@ def time_slice(cal: Calibrator, cores: int) -> int | None:
     slice_ns = int(cal.agree(float(med)))
     cal.log(f"OS time slice: {slice_ns / 1e6:.2f} ms ({cal.world} ranks on {cores} cores)")
     return slice_ns or None
+
+
+def cache(cal: Calibrator) -> dict[str, float] | None:
+    """The last-level cache (CPU backends): its size (Linux sysfs, as the executor's ring
+    is sized) and the rate of the executor's memory-bound kernel on data in it, for the
+    bytes an op reuses (``reuse_bytes``). Every rank runs the kernel at once, each
+    over and over on one region of its own (the reused path of ``runtime.kernels
+    .ring_step``), at a sixteenth and a quarter of its share of the cache (the ranks of
+    a node share it): well inside it, and past a core's L2. The rate is the slope
+    between the two, so the kernel's fixed cost (priced apart) is not in it. None on
+    GPUs (their optimizers run foreach: nothing states reuse) and where the size is
+    unknown."""
+    size = last_level_cache_bytes(cal.device)
+    if not cal.platform.inline_kernels or not size:
+        return None
+    share = size // max(1, cal.ranks_per_node)
+    pts = []
+    for nbytes in (share // 16, share // 4):
+        op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.ELEMENTWISE, 0, nbytes // 2, nbytes // 2,
+                       reuse_bytes=nbytes, working_set_bytes=nbytes)
+        cal.kernels.run(op)  # brings the region in
+        pts.append((float(nbytes), cal._together(lambda op=op: cal.kernels.run(op))))
+    (x0, y0), (x1, y1) = pts
+    rate = (x1 - x0) / (y1 - y0) if y1 > y0 else x1 / max(y1, 1e-9)
+    cal.log(f"memory-bound kernels in the cache ({size / 2**20:.0f} MiB): {rate / 1e9:.2f} GB/s")
+    return {"bytes": size, "bytes_per_s": rate}

@@ -5,8 +5,8 @@
 benchmarks measure seconds; they are converted here, once), what was measured (the
 backend, the devices, the ranks per node and the nodes; the collectives' group sizes and
 placements are the keys of their table), the platform's memory model and, on CPUs, its
-cores, time slice and rank drift; on GPUs, the copies' own rates and the caching
-allocator's statistics.
+cores, time slice, rank drift and last-level cache; on GPUs, the copies' own rates and
+the caching allocator's statistics.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Measured:
     kernel_overhead_ns: int | None = None  # GPUs: a kernel's fixed device cost (CPUs: the executor's per op)
     copies: dict[str, dict[str, Any]] | None = None  # GPUs: "h2d" / "d2h" -> latency_ns, bytes_per_s, points
     allocator: dict[str, int] | None = None  # GPUs: the caching allocator's statistics
+    cache: dict[str, float] | None = None  # CPUs: the last-level cache's "bytes" and in-cache "bytes_per_s"
 
 
 def profile_document(m: Measured, platform: Platform, device: torch.device, world: int,
@@ -102,6 +103,7 @@ def profile_document(m: Measured, platform: Platform, device: torch.device, worl
         **({"time_slice_ns": m.time_slice_ns} if m.time_slice_ns else {}),
         **({"rank_noise": m.rank_noise} if m.rank_noise is not None else {}),
         **({"allocator": m.allocator} if m.allocator is not None else {}),
+        **({"cache": m.cache} if m.cache is not None else {}),
         "alloc": {"malloc_base_ns": int(m.alloc_latency_s * 1e9), "malloc_ns_per_byte": m.alloc_s_per_byte * 1e9,
                   "free_base_ns": int(m.alloc_latency_s * 1e9), "free_ns_per_byte": 0.0, "points": m.alloc_points,
                   "first_touch_ns_per_byte": m.first_touch_s_per_byte * 1e9},

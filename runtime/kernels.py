@@ -3,8 +3,11 @@
 A GEMM (or attention) op runs a batched matmul of its shape, as many times as its flops
 ask (at most 4). Every other compute op is a memory-bound kernel moving the op's bytes
 (half read, half written) at the next place of a ring larger than the last-level
-cache, so its data comes from memory, as a step's tensors do. Host work is a busy loop
-of its duration (``spin_ns``).
+cache, so its data comes from memory, as a step's tensors do; the bytes an op states it
+reuses (``reuse_bytes``: what the ops just before it touched) it moves on the ring's
+most recently touched bytes instead, so they come from the cache where they fit, as in
+the program it stands for (``ring_step``). Host work is a busy loop of its duration
+(``spin_ns``).
 
 Two holders of the kernels' memory, one per platform:
 
@@ -102,19 +105,16 @@ class Kernels:
         self.operands: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.ring_bytes = max(MIN_RING_BYTES, 2 * last_level_cache_bytes(device))
         self.scratch = torch.empty(0, dtype=torch.uint8, device=device)
-        self.offset = 0
+        self.offset = self.end = 0
         self.copies: PinnedCopies | None = None
 
-    def _mem(self, nbytes: int) -> None:
-        """Read ``nbytes / 2`` and write as many, at the next place in the ring."""
+    def _mem(self, nbytes: int, reuse_bytes: int = 0) -> None:
+        """Read ``nbytes / 2`` and write as many: the reused bytes on the ring's most
+        recently touched ones, the rest at the next place in the ring (``ring_step``)."""
         half = max(1, nbytes // 2)
         if self.scratch.numel() < max(2 * half, self.ring_bytes):
             self.scratch = torch.zeros(max(2 * half, self.ring_bytes), dtype=torch.uint8, device=self.device)
-        if self.offset + 2 * half > self.scratch.numel():
-            self.offset = 0
-        at = self.offset
-        self.offset = at + _aligned(2 * half, 4096)  # page-aligned regions
-        self.scratch[at + half:at + 2 * half].copy_(self.scratch[at:at + half])
+        self.offset, self.end = ring_step(self.scratch, self.offset, self.end, nbytes, reuse_bytes)
 
     def execute(self, op: O.Compute | O.Copy, buffers: dict[str, torch.Tensor] | None = None) -> None:
         """The kernel standing in for a compute or copy op (``buffers``: unused here;
@@ -140,7 +140,7 @@ class Kernels:
             for _ in range(gemm_repeats(op)):
                 torch.bmm(a, b, out=c)
         else:
-            self._mem(op.bytes_read + op.bytes_written)
+            self._mem(op.bytes_read + op.bytes_written, op.reuse_bytes)
 
     def copy(self, op: O.Copy) -> None:
         if op.direction is O.CopyDirection.D2D or self.device.type == "cpu":
@@ -164,6 +164,27 @@ def gemm_repeats(op: O.Compute) -> int:
 
 def _aligned(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def ring_step(ring: torch.Tensor, offset: int, end: int, nbytes: int, reuse_bytes: int = 0) -> tuple[int, int]:
+    """The memory-bound kernel over ``nbytes`` (each part: read half, write half) on a
+    ring whose next free place is ``offset`` and whose most recently touched byte ends
+    at ``end``: the ``reuse_bytes`` of them on the bytes just before ``end`` (what the
+    ops before touched, so in the cache where it fits), the rest at ``offset``, a fresh
+    page-aligned region (back at the start when it does not fit). Returns the new
+    (offset, end)."""
+    reuse = min(max(reuse_bytes, 0), nbytes)
+    if reuse:
+        half = max(1, reuse // 2)
+        at = max(0, end - 2 * half)
+        ring[at + half:at + 2 * half].copy_(ring[at:at + half])
+        if reuse == nbytes:
+            return offset, end
+    half = max(1, (nbytes - reuse) // 2)
+    if offset + 2 * half > ring.numel():
+        offset = 0
+    ring[offset + half:offset + 2 * half].copy_(ring[offset:offset + half])
+    return offset + _aligned(2 * half, 4096), offset + 2 * half  # page-aligned regions
 
 
 class PinnedCopies:
@@ -262,22 +283,17 @@ class StreamMemory:
         self.ring = torch.zeros(ring_bytes, dtype=torch.uint8, device=device)
         self.scratch = torch.zeros(max(scratch_bytes, 1), dtype=torch.uint8, device=device)
         self.copies = PinnedCopies(device, copy_bytes) if copy_bytes else None
-        self.offset = 0
+        self.offset = self.end = 0
 
     @property
     def nbytes(self) -> int:
         """Device bytes this stream holds (pinned host memory is not the device's)."""
         return self.ring.numel() + self.scratch.numel() + (self.copies.dev.numel() if self.copies else 0)
 
-    def mem(self, nbytes: int) -> None:
-        """Read ``nbytes / 2`` and write as many, at the next place of this stream's ring."""
-        half = max(1, nbytes // 2)
-        assert 2 * half <= self.ring.numel(), "the ring was sized for the stream's largest op"
-        if self.offset + 2 * half > self.ring.numel():
-            self.offset = 0
-        at = self.offset
-        self.offset = at + _aligned(2 * half, 4096)
-        self.ring[at + half:at + 2 * half].copy_(self.ring[at:at + half])
+    def mem(self, nbytes: int, reuse_bytes: int = 0) -> None:
+        """Read ``nbytes / 2`` and write as many on this stream's ring (``ring_step``)."""
+        assert 2 * max(1, nbytes // 2) <= self.ring.numel(), "the ring was sized for the stream's largest op"
+        self.offset, self.end = ring_step(self.ring, self.offset, self.end, nbytes, reuse_bytes)
 
 
 class StreamKernels:
@@ -335,7 +351,7 @@ class StreamKernels:
             return
         plan = self.plans.get(op.id)
         if plan is None:
-            mem.mem(op.bytes_read + op.bytes_written)
+            mem.mem(op.bytes_read + op.bytes_written, op.reuse_bytes)
             return
         g = op.gemm
         assert g is not None

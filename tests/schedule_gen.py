@@ -95,9 +95,11 @@ def rank_program(draw, rank: int, plan, next_id: list[int], max_ops: int = 8, ma
                 flops = gemm.flops
             deps = tuple(draw(st.lists(st.sampled_from(device_ids), max_size=2, unique=True))) if device_ids else ()
             bufs = tuple(draw(st.lists(st.sampled_from(persistent + live_tmp), max_size=2, unique=True)))
+            rd, wr = draw(st.integers(1, 10**6)), draw(st.integers(0, 10**6))
+            reuse = draw(st.one_of(st.just(0), st.integers(0, rd + wr)))  # stated reuse, or none
             op = O.Compute(new_id(), draw(st.sampled_from(STREAMS)), draw(LABELS),
-                           draw(st.sampled_from(list(O.ComputeKind))), flops, draw(st.integers(1, 10**6)),
-                           draw(st.integers(0, 10**6)), gemm, deps, bufs)
+                           draw(st.sampled_from(list(O.ComputeKind))), flops, rd, wr, gemm, deps, bufs,
+                           reuse_bytes=reuse, working_set_bytes=draw(st.integers(0, 10**7)) if reuse else 0)
             step.append(op)
             device_ids.append(op.id)
         elif choice == 2:

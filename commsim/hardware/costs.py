@@ -93,6 +93,9 @@ class SpecCostModel:
         self.describe = cluster.name
 
     def compute_ns(self, op: O.Compute, taken: Taken = IDLE) -> int:
+        # An op's reuse_bytes / working_set_bytes are not priced here: the reuse they state
+        # comes from torch's single-tensor optimizer, which runs on CPUs only (on GPUs its
+        # AdamW is foreach, whose passes stream every parameter: no reuse stated).
         return self.kernels.compute_ns(op, taken)
 
     def kernel_hbm_bytes(self, op: O.Compute) -> float:

@@ -28,6 +28,7 @@ Format (JSON), schema version 2::
      "comm_slowdown_during_compute": 2, # and collectives this much slower during compute (optional)
      "comm_latency_slowdown_during_compute": 3,  # and their fixed latency (optional)
      "issue_ns": 20000,                 # host time to issue one device op (optional)
+     "cache": {"bytes": 33554432, "bytes_per_s": 6e10},  # CPU backends (optional): see below
      "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
      "rank_noise": {"sd": 0.1, "corr_ns": 300000000},  # ranks' speed drift (optional): see below
      "allocator": {"num_alloc_retries": 0, ...},  # GPUs (optional): torch.cuda.memory_stats after calibrating
@@ -49,6 +50,13 @@ linear by size: glibc's malloc serves blocks below its mmap threshold (dynamic, 
 already touched, so zeroing them costs a memset; larger blocks are fresh mmapped pages
 every time and pay page faults, several times more per byte: one latency-plus-bandwidth
 line through both regimes misprices both (traces/README.md has the figures).
+
+``cache``: the last-level cache's size and the memory-bound kernel's rate on data in
+it. A compute op's ``reuse_bytes`` (bytes the ops just before it touched) are priced
+at that rate when the op's ``working_set_bytes`` fit in the rank's share of the cache
+(its size over the ranks per node, which share it), the rest of its bytes from the
+table: torch's single-tensor AdamW on CPUs keeps each parameter's arrays in the cache
+across its eight passes. Without ``cache`` every byte is priced from the table.
 
 The profile yields its ``Platform`` (``commsim.hardware.platform``): the backend says
 how kernels, memory and collective order work; ``cpu_cores``, ``time_slice_ns`` and
@@ -179,6 +187,9 @@ class HardwareProfile:
     d2h_bytes_per_s: float = 0.0  # 0: as h2d
     d2h_latency_ns: int | None = None  # None: as h2d
     allocator: tuple[tuple[str, int], ...] = ()  # GPUs: torch.cuda.memory_stats after calibrating
+    # the last-level cache's size and the memory-bound kernel's rate in it (0: not measured)
+    cache_bytes: int = 0
+    cache_bytes_per_s: float = 0.0
 
     @property
     def groups_measured(self) -> tuple[tuple[str, int], ...]:
@@ -260,8 +271,18 @@ class HardwareProfile:
         ns = self._compute_alone_ns(op)
         return int(ns * self.comm_slowdown) if taken else ns
 
+    def _reused_in_cache(self, op: O.Compute) -> int:
+        """Of ``op``'s bytes, those it reuses from the cache: its ``reuse_bytes`` where
+        its working set fits in a rank's share of the cache (ranks of a node share it)."""
+        if not op.reuse_bytes or not self.cache_bytes_per_s:
+            return 0
+        return op.reuse_bytes if op.working_set_bytes <= self.cache_bytes // max(1, self.ranks_per_node) else 0
+
     def _compute_alone_ns(self, op: O.Compute) -> int:
-        mem_s = self._memory_s(op.bytes_read + op.bytes_written)
+        reused = self._reused_in_cache(op)
+        mem_s = self._memory_s(op.bytes_read + op.bytes_written - reused)
+        if reused:
+            mem_s += reused / self.cache_bytes_per_s
         flop_s = op.flops / self._gemm_rate(op.flops, op.gemm) if op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION) \
             else 0.0
         return self.kernel_overhead_ns + int(max(mem_s, flop_s) * 1e9)
@@ -400,6 +421,7 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         first_touch_ns_per_byte=_num(alloc, "first_touch_ns_per_byte", f"{where}: alloc", positive=False)
         if "first_touch_ns_per_byte" in alloc else 0.0,
         **_rank_noise(obj.get("rank_noise"), f"{where}: rank_noise"),
+        **_cache(obj.get("cache"), f"{where}: cache"),
     )
 
 
@@ -456,6 +478,16 @@ def _rank_noise(noise: Any, where: str) -> dict[str, Any]:
     sd = _num(noise, "sd", where, positive=False)
     corr = _num(noise, "corr_ns", where, positive=bool(sd))
     return {"rank_noise_sd": sd, "rank_noise_corr_ns": int(corr)}
+
+
+def _cache(cache: Any, where: str) -> dict[str, Any]:
+    if cache is None:
+        return {}
+    if not isinstance(cache, dict) or not isinstance(cache.get("bytes"), int) or isinstance(cache["bytes"], bool) \
+            or cache["bytes"] < 1:
+        raise CommsimInputError(f"{where}: must be an object {{\"bytes\": a positive integer, "
+                                "\"bytes_per_s\": a positive number}")
+    return {"cache_bytes": cache["bytes"], "cache_bytes_per_s": _num(cache, "bytes_per_s", where)}
 
 
 def load_profile(path: str | Path, precision: str | None = None) -> HardwareProfile:

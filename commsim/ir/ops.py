@@ -155,6 +155,12 @@ class Compute:
     ``gemm`` is the matmul shape: for kind GEMM exactly the kernel (its flops equal
     ``flops``); for ATTENTION the shape of each of its batched score / context matmuls,
     which sets their efficiency while ``flops`` also counts softmax work.
+
+    ``reuse_bytes``: of the op's traffic, the bytes that the ops just before it in the
+    same sequence already touched (a single-tensor optimizer's later passes over one
+    parameter's arrays); ``working_set_bytes``: the bytes that sequence keeps touching.
+    Both are facts of the program; whether the reused bytes stay in a cache is the cost
+    model's question (``commsim.hardware.profile``). 0: none stated.
     """
 
     id: OpId
@@ -168,6 +174,8 @@ class Compute:
     deps: tuple[OpId, ...] = ()
     buffers: tuple[BufferName, ...] = ()
     phase: Phase = Phase.OTHER
+    reuse_bytes: int = 0
+    working_set_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,10 +54,19 @@ def _encode_value(value: Any) -> Any:
     return value
 
 
+# Op fields added after schedules were stored: written only when stated (not 0), so a
+# stored schedule's canonical form and hash stay the same.
+_OP_UNSTATED_OMITTED = {O.Compute: ("reuse_bytes", "working_set_bytes")}
+
+
 def op_to_dict(op: O.Op) -> dict[str, Any]:
     out: dict[str, Any] = {"op": OP_TAGS[type(op)]}
+    omitted = _OP_UNSTATED_OMITTED.get(type(op), ())
     for f in fields(op):
-        out[f.name] = _encode_value(getattr(op, f.name))
+        value = getattr(op, f.name)
+        if f.name in omitted and value == f.default:
+            continue
+        out[f.name] = _encode_value(value)
     return out
 
 

@@ -95,6 +95,11 @@ def _check_structure(program: Program, rank: int, world: int) -> list[Finding]:
                     bad("flops and bytes must not be negative", "size")
                 elif op.flops + op.bytes_read + op.bytes_written == 0:
                     bad("a compute op must do some flops or move some bytes", "size")
+                if not 0 <= op.reuse_bytes <= op.bytes_read + op.bytes_written:
+                    bad(f"reuse_bytes must be within 0..bytes_read + bytes_written "
+                        f"({op.bytes_read + op.bytes_written}), got {op.reuse_bytes}", "size")
+                if op.working_set_bytes < 0:
+                    bad(f"working_set_bytes must not be negative, got {op.working_set_bytes}", "size")
                 if op.gemm is not None and op.kind is O.ComputeKind.GEMM:
                     g = op.gemm
                     if min(g.m, g.n, g.k, g.batch) <= 0:

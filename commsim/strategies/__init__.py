@@ -24,6 +24,7 @@ from commsim.strategies.zero12 import Zero12Lowering
 
 GENERATOR_VERSION = "commsim.strategies 0.1"
 STRATEGIES = ("deepspeed", "fsdp2")
+DEVICES = ("cuda", "cpu")  # what an FSDP2 model's parameters live on
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +95,15 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
 
 
 def generate_fsdp2(md: ModelDescription, world: World, cfg: FSDP2Config, checkpointing: bool = True,
-                   costs: HostCosts | None = None, checkpoint_style: str = "reentrant") -> Schedule:
-    """PyTorch FSDP2's step: one ``fully_shard`` per block plus the root, ``cfg``'s settings."""
-    lowering = FSDP2Lowering(md, world.size, cfg, costs or HostCosts(), checkpointing, checkpoint_style)
+                   costs: HostCosts | None = None, checkpoint_style: str = "reentrant",
+                   device: str = "cuda") -> Schedule:
+    """PyTorch FSDP2's step: one ``fully_shard`` per block plus the root, ``cfg``'s settings,
+    on ``device`` ("cuda" or "cpu": torch's AdamW runs foreach on the one, single-tensor
+    on the other, torch/optim/optimizer.py ``_default_to_fused_or_foreach``)."""
+    if device not in DEVICES:
+        raise CommsimInputError(f"device {device!r}: allowed: {', '.join(DEVICES)}")
+    foreach = device == "cuda"
+    lowering = FSDP2Lowering(md, world.size, cfg, costs or HostCosts(), checkpointing, checkpoint_style, foreach)
     program = lowering.program()
     lay = lowering.layout
     meta = ScheduleMeta(
@@ -106,7 +113,8 @@ def generate_fsdp2(md: ModelDescription, world: World, cfg: FSDP2Config, checkpo
         description=f"PyTorch FSDP2 step of {md.name} on {world.nodes}x{world.gpus_per_node} GPUs "
                     f"({'HSDP ' + str(lay.replicas) + ' x ' if lay.replicas > 1 else 'sharded over '}{lay.shard})",
         # FSDP2's settings that shaped the schedule, under fsdp2_config's keys (unset ones left out)
-        config=tuple((k, v) for k, v in cfg.as_pairs() if v is not None) + (("optimizer", "torch"),),
+        config=tuple((k, v) for k, v in cfg.as_pairs() if v is not None)
+        + (("optimizer", "torch" if foreach else "torch single-tensor"),),
         nodes=world.nodes,
         gpus_per_node=world.gpus_per_node,
         micro_batch=md.micro_batch,

@@ -38,8 +38,9 @@ then the root). What runs, and when, follows torch/distributed/fsdp/_fully_shard
   the unsharded gradient in the reduce dtype, ``to_accumulated_grad_if_needed``), later
   micro-steps add into it; with sync every micro-step the new sharded gradient is
   added into the last one's;
-* the optimizer: torch's AdamW (foreach) on this rank's unpadded rows, fp32
-  (optimizer.py), or on the host with CPU offload; ``zero_grad`` frees the gradients.
+* the optimizer: torch's AdamW on this rank's unpadded rows, fp32 (optimizer.py:
+  foreach on GPUs; on CPUs single-tensor, each parameter's passes in turn, stating the
+  bytes they reuse), or on the host with CPU offload; ``zero_grad`` frees the gradients.
 
 Each rank's Python issues everything in that order; kernels run on the compute stream.
 """
@@ -55,16 +56,13 @@ from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.fsdp2_comm import (AG_STREAMS, COMPUTE, COPY_IN, DTYPES, REDUCE_SCATTER, Comm, Gathered,
                                            Reduced, Streams)
 from commsim.strategies.fsdp2_config import FSDP2Config
-from commsim.strategies.fsdp2_layout import FSDP2Layout, Unit
+from commsim.strategies.fsdp2_layout import FSDP2Layout, Unit, local_numel
 from commsim.strategies.knobs import HostCosts
-from commsim.strategies.optimizer import adam_step
+from commsim.strategies.optimizer import CPU_ADAM_BYTES, TORCH_ADAMW_BYTES, torch_adamw
 from commsim.strategies.zero3_trace import CHECKPOINT_STYLES
 
 SHARDED, POST_FORWARD, UNSHARDED = "sharded", "sharded_post_forward", "unsharded"  # ShardedState
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = "idle", "forward", "pre_backward", "post_backward"  # TrainingState
-# torch's AdamW moves 80 B per element (optimizer.py) where DeepSpeed's CPU Adam, which
-# HostCosts.cpu_adam_ps_per_param prices from the host's memory bandwidth, moves 30 B
-TORCH_ADAMW_BYTES, CPU_ADAM_BYTES = 80, 30
 
 
 @dataclass
@@ -91,9 +89,10 @@ class FSDP2Lowering:
     """One rank's FSDP2 step. One instance lowers one step."""
 
     def __init__(self, md: ModelDescription, world_size: int, cfg: FSDP2Config, costs: HostCosts,
-                 checkpointing: bool, checkpoint_style: str = "reentrant"):
+                 checkpointing: bool, checkpoint_style: str = "reentrant", foreach: bool = True):
         assert checkpoint_style in CHECKPOINT_STYLES, checkpoint_style
         self.md, self.cfg, self.costs = md, cfg, costs
+        self.foreach = foreach  # torch's AdamW default: foreach on GPUs, single-tensor on CPUs
         self.checkpointing, self.style = checkpointing, checkpoint_style
         self.layout = FSDP2Layout.build(md, world_size, cfg)
         lay = self.layout
@@ -484,7 +483,9 @@ class FSDP2Lowering:
         else:
             state = tuple(self._shard_buffer(u) for u in self.layout.units) + ("exp_avg", "exp_avg_sq") + \
                 tuple(g.grad for g in self.groups if g.grad)
-            adam_step(b, COMPUTE, "optimizer.adamw", n, state, "torch", c.launch_ns, deps=self.streams.deps(COMPUTE))
+            params = [(p.name, local_numel(p, self.layout.shard)) for u in self.layout.units for p in u.params]
+            torch_adamw(b, COMPUTE, "optimizer.adamw", params, state, c.launch_ns, self.foreach, c.dtensor_op_ns,
+                        deps=self.streams.deps(COMPUTE))
         for g in self.groups:  # zero_grad(set_to_none=True)
             if g.grad is not None:
                 b.free(g.grad, g.grad_stream, f"sharded gradient of {g.unit.name}")

@@ -181,6 +181,12 @@ class HostCosts:
     # Formatting one 0.5.10 debug string around a tensor op's result, beyond the op's
     # launch and the host sync its .item() forces (debug_string_ops).
     debug_string_ns: int = 0
+    # A DTensor op's dispatch (sharding propagation, wrapping the local result) over a
+    # plain tensor op's: FSDP2's parameters are DTensors, and on CPUs torch's AdamW runs
+    # eight of them per parameter. bench/dtensor_dispatch.py on the AMD EPYC Zen 4 VM
+    # core of the DeepSpeed figures (torch 2.13.0, 2026-12-01): 161 us per parameter's
+    # single-tensor AdamW step as DTensors against 26.9 us as plain tensors, 16.8 us per op.
+    dtensor_op_ns: int = 16_800
     # CPU Adam (offload_optimizer: cpu), per fp32 parameter of this rank's partition, in
     # picoseconds. DeepSpeedCPUAdam is memory-bound: it reads param, grad, exp_avg,
     # exp_avg_sq (16 B) and writes param, exp_avg, exp_avg_sq and the 16-bit copy (14 B).

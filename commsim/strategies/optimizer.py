@@ -18,6 +18,13 @@ temporaries for the denominator:
     param.addcdiv_(exp_avg, t2, ...)      read 12, write 4
 
 80 B per element instead of 28, and 8 B per element of short-lived allocations.
+
+Run single-tensor (torch's default for CPU tensors), one parameter's eight passes run
+back to back on that parameter's rows, so from the fourth on most of what a pass
+touches the passes before it just touched (``_TORCH_REUSE``): 44 of the 80 B per
+element, within a working set of the parameter's four arrays and two temporaries
+(24 B per element). The ops state that (``reuse_bytes``, ``working_set_bytes``); the
+``foreach`` variant's passes each stream over every parameter, so its ops state none.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from commsim.ir import ops as O
 from commsim.strategies.builder import ProgramBuilder
 
 IMPLEMENTATIONS = ("fused", "torch")
+# torch's AdamW moves 80 B per element where DeepSpeed's CPU Adam, which
+# HostCosts.cpu_adam_ps_per_param prices from the host's memory bandwidth, moves 30 B
+TORCH_ADAMW_BYTES, CPU_ADAM_BYTES = 80, 30
 
 # (label, flops per element, bytes read, bytes written, allocates the temporary t1/t2)
 _TORCH_PASSES = (
@@ -38,12 +48,24 @@ _TORCH_PASSES = (
     ("denom_add_eps", 1, 4, 4, None),
     ("param_addcdiv", 2, 12, 4, None),
 )
+# Single-tensor: bytes per element of each pass that an earlier pass over the same
+# parameter touched (_single_tensor_adam's order). weight_decay, the lerp and the
+# mul first touch param, exp_avg + grad and exp_avg_sq; the addcmul then reads
+# exp_avg_sq and grad and writes exp_avg_sq (12); sqrt reads exp_avg_sq (4) into a
+# fresh t1; the division reads t1 (4) into a fresh t2; add_(eps) reads and writes t2
+# (8); addcdiv reads param, exp_avg, t2 and writes param (16).
+_TORCH_REUSE = {"weight_decay": 0, "exp_avg_lerp": 0, "exp_avg_sq_mul": 0, "exp_avg_sq_addcmul": 12,
+                "denom_sqrt": 4, "denom_div": 4, "denom_add_eps": 8, "param_addcdiv": 16}
+# param, grad, exp_avg, exp_avg_sq, t1, t2: fp32 each
+TORCH_SINGLE_TENSOR_WORKING_SET_BYTES = 24
 
 
 def adam_step(b: ProgramBuilder, stream: str, label: str, n: int, state: tuple[str, ...], impl: str,
-              launch_ns: int, deps: tuple[O.OpId, ...] = ()) -> None:
+              launch_ns: int, deps: tuple[O.OpId, ...] = (), single_tensor: bool = False) -> None:
     """Adam over ``n`` fp32 elements whose param / exp_avg / exp_avg_sq / grad buffers are
-    ``state``; its first kernel waits for ``deps`` (ops of other streams)."""
+    ``state``; its first kernel waits for ``deps`` (ops of other streams).
+    ``single_tensor`` (impl "torch"): the ``n`` elements are one parameter's, whose passes
+    run back to back, and the ops state what they reuse."""
     assert impl in IMPLEMENTATIONS, impl
     if impl == "fused":
         b.host("launch", O.HostKind.LAUNCH, launch_ns)
@@ -56,12 +78,29 @@ def adam_step(b: ProgramBuilder, stream: str, label: str, n: int, state: tuple[s
             b.alloc(temps[new], 4 * n, stream, f"{label} {new} (torch AdamW temporary)")
             bufs = state + (temps[new],)
         b.host("launch", O.HostKind.LAUNCH, launch_ns)
+        reuse, ws = (_TORCH_REUSE[name] * n, TORCH_SINGLE_TENSOR_WORKING_SET_BYTES * n) if single_tensor else (0, 0)
         b.compute(stream, f"{label}.{name}", O.ComputeKind.OPTIMIZER, flops * n, rd * n, wr * n, deps=deps,
-                  buffers=bufs)
+                  buffers=bufs, reuse_bytes=reuse, working_set_bytes=ws)
         deps = ()
         if name == "denom_div":
             b.free(temps["t1"], stream, f"{label} t1")
     b.free(temps["t2"], stream, f"{label} t2")
+
+
+def torch_adamw(b: ProgramBuilder, stream: str, label: str, params: list[tuple[str, int]], state: tuple[str, ...],
+                launch_ns: int, foreach: bool, dtensor_op_ns: int = 0, deps: tuple[O.OpId, ...] = ()) -> None:
+    """torch's AdamW over ``params`` ((name, local elements), fp32) whose buffers are
+    ``state``. ``foreach`` (``_multi_tensor_adam``, torch's default on GPUs): each pass
+    over every parameter's rows at once. Else (``_single_tensor_adam``, on CPUs) one
+    parameter's passes, then the next's, each op also paying ``dtensor_op_ns`` (the
+    parameters are DTensors)."""
+    if foreach:
+        adam_step(b, stream, label, sum(k for _, k in params), state, "torch", launch_ns, deps=deps)
+        return
+    for name, k in params:
+        adam_step(b, stream, f"{label}:{name}", k, state, "torch", launch_ns + dtensor_op_ns, deps=deps,
+                  single_tensor=True)
+        deps = ()
 
 
 def fp64_norms(b: ProgramBuilder, stream: str, label: str, pieces: list[tuple[str, int]], src: str, dt_bytes: int,

@@ -97,3 +97,30 @@ def test_the_stored_cpu_profiles_load():
         p = load_profile(path, "fp32")
         assert p.backend == "gloo" and p.nodes == 1 and p.world_size == p.ranks_per_node in (2, 4)
         assert p.groups_measured == (("intra_node", p.world_size),)
+        assert (p.cache_bytes, p.cache_bytes_per_s) == (0, 0.0)  # not measured then: every byte from the table
+
+
+def test_reused_bytes_are_priced_in_the_cache_when_the_working_set_fits():
+    """A CPU profile's cache: an op's reuse_bytes at the in-cache rate when its working
+    set fits in a rank's share of the cache (its size over the ranks per node), every
+    other byte from the memory-bound table; a profile without it prices every byte there."""
+    from tests.hardware.test_costs import PROFILE
+
+    cached = profile_from_dict({**PROFILE, "cache": {"bytes": 1 << 20, "bytes_per_s": 1e10}}, "p.json")
+    plain = profile_from_dict(PROFILE, "p.json")
+    assert (cached.cache_bytes, cached.cache_bytes_per_s, plain.cache_bytes, plain.cache_bytes_per_s) == \
+        (1 << 20, 1e10, 0, 0.0)
+
+    def op(reuse, ws):
+        return O.Compute(O.OpId(1), "c", "adam", O.ComputeKind.OPTIMIZER, 1000, 6000, 2000, reuse_bytes=reuse,
+                         working_set_bytes=ws)
+
+    # 1000 ns per kernel; 8000 B at 2 GB/s = 4000 ns; reused 4000 B at 10 GB/s = 400 ns
+    assert cached.compute_ns(op(4000, 1 << 19)) == 1000 + 2000 + 400  # 512 KiB: the share of one of 2 ranks
+    assert cached.compute_ns(op(4000, (1 << 19) + 1)) == 1000 + 4000  # too large: from memory
+    assert cached.compute_ns(op(0, 1000)) == plain.compute_ns(op(4000, 1000)) == 1000 + 4000
+    assert cached.compute_ns(op(8000, 1000)) == 1000 + 800
+    with pytest.raises(CommsimInputError, match=r"p.json: cache: must be an object \{\"bytes\": a positive integer"):
+        profile_from_dict({**PROFILE, "cache": {"bytes": 0, "bytes_per_s": 1e10}}, "p.json")
+    with pytest.raises(CommsimInputError, match=r"p.json: cache: field 'bytes_per_s' must be a positive number"):
+        profile_from_dict({**PROFILE, "cache": {"bytes": 1 << 20}}, "p.json")

@@ -169,3 +169,15 @@ def test_dangling_dependency_names_the_op_by_its_id():
         "rank 0, step op 2: dependency: op 22 depends on itself "
         "`22 compute stream=compute kind=elementwise flops=1 bytes_read=1 bytes_written=1 deps=22 label=\"\"`",
     ]
+
+
+def test_stated_reuse_must_be_within_the_op_s_traffic():
+    def findings(reuse, ws):
+        op = O.Compute(O.OpId(1), "compute", "adam", O.ComputeKind.OPTIMIZER, 8, 100, 60, reuse_bytes=reuse,
+                       working_set_bytes=ws)
+        return [(f.check, f.message) for f in validate(Schedule.from_rank_programs([Program((), (op,))]))]
+
+    assert findings(0, 0) == findings(160, 10**9) == []
+    assert findings(161, 0) == [("size", "reuse_bytes must be within 0..bytes_read + bytes_written (160), got 161")]
+    assert findings(-1, 0) == [("size", "reuse_bytes must be within 0..bytes_read + bytes_written (160), got -1")]
+    assert findings(40, -8) == [("size", "working_set_bytes must not be negative, got -8")]

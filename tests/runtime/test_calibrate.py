@@ -37,6 +37,17 @@ def test_quick_calibration_then_predict(tmp_path):
     # a fresh page's first write (fault, kernel zeroing) and its unmap cost something
     assert p.first_touch_ns_per_byte > 0
     obj = json.loads(prof.read_text())
+    # the last-level cache the executor sizes its ring by, and the memory-bound kernel's
+    # rate on data in it (about 3-4x the rate from memory on the development VM; not
+    # compared here, where other tests share the cores)
+    import torch
+
+    from runtime.kernels import last_level_cache_bytes
+    llc = last_level_cache_bytes(torch.device("cpu"))
+    assert ("cache" in obj) == (llc > 0)
+    if llc:
+        assert p.cache_bytes == obj["cache"]["bytes"] == llc and p.cache_bytes_per_s == obj["cache"]["bytes_per_s"]
+        assert p.cache_bytes_per_s > 0
     # ranks' speed drift: measured with at most one rank per core, and what predictions use
     assert ("rank_noise" in obj) == (obj["cpu_cores"] >= 2)
     if "rank_noise" in obj:
@@ -102,8 +113,11 @@ def test_the_profile_document_follows_the_platform():
                  comm_slowdown=1.5, comm_slowdown_during_compute=1.2, comm_latency_slowdown_during_compute=2.0,
                  issue_ns=1000, per_op_ns=3000, alloc_latency_s=1e-6, alloc_s_per_byte=1e-10,
                  alloc_points=[[4096, 1e-6]], first_touch_s_per_byte=2e-10, cpu_cores=2, time_slice_ns=4_000_000,
-                 rank_noise={"sd": 0.05, "corr_ns": 1e8})
+                 rank_noise={"sd": 0.05, "corr_ns": 1e8}, cache={"bytes": 1 << 25, "bytes_per_s": 6e10})
     cpu = profile_document(m, platform_of_backend("gloo"), torch.device("cpu"), 4, 4)
+    assert cpu["cache"] == {"bytes": 1 << 25, "bytes_per_s": 6e10}
+    assert (profile_from_dict(cpu, "cpu").cache_bytes, profile_from_dict(cpu, "cpu").cache_bytes_per_s) == \
+        (1 << 25, 6e10)
     assert (cpu["caching_allocator"], cpu["default_dtype"], cpu["gemm"]) == (False, "fp32", [[1.0, 2.0]])
     assert (cpu["cpu_cores"], cpu["time_slice_ns"], cpu["rank_noise"]) == (2, 4_000_000, m.rank_noise)
     assert cpu["kernel_overhead_ns"] == 3000 and cpu["alloc"]["first_touch_ns_per_byte"] == 0.2
@@ -117,8 +131,9 @@ def test_the_profile_document_follows_the_platform():
     copies = {"h2d": {"latency_ns": 9000, "bytes_per_s": 2.4e10, "points": [[1 << 20, 5e-5]]},
               "d2h": {"latency_ns": 8000, "bytes_per_s": 2.2e10, "points": [[1 << 20, 6e-5]]}}
     g = dataclasses.replace(m, devices=["NVIDIA H200"], nodes=2, kernel_overhead_ns=2500, copies=copies,
-                            allocator={"num_alloc_retries": 0, "reserved_bytes_peak": 1 << 30})
+                            allocator={"num_alloc_retries": 0, "reserved_bytes_peak": 1 << 30}, cache=None)
     gpu = profile_document(g, platform_of_backend("nccl"), torch.device("cpu"), 16, 8)
+    assert "cache" not in gpu  # not measured on GPUs: nothing there states reuse
     assert (gpu["caching_allocator"], gpu["default_dtype"], gpu["gemm"]) == (True, "bf16", [[1.0, 3.0]])
     assert "cpu_cores" not in gpu and gpu["backend"] == "nccl" and gpu["timing"] == "cuda_events"
     assert (gpu["devices"], gpu["world_size"], gpu["ranks_per_node"], gpu["nodes"]) == (["NVIDIA H200"], 16, 8, 2)

@@ -87,6 +87,41 @@ def test_memory_bound_kernels_walk_a_ring_larger_than_the_cache():
     assert k.scratch.numel() == 2 * k.ring_bytes and k.offset == 2 * k.ring_bytes
 
 
+def test_an_op_stating_reuse_runs_on_the_bytes_just_touched():
+    """The bytes a compute op reuses move on the ring's most recently touched bytes (in
+    the cache, as in the program it stands for), the rest on the next fresh region."""
+    import torch
+
+    from runtime.kernels import Kernels, ring_step
+
+    def written(ring, offset, end, nbytes, reuse):
+        ring.copy_(torch.arange(ring.numel()) % 251)
+        before = ring.clone()
+        out = ring_step(ring, offset, end, nbytes, reuse)
+        changed = (ring != before).nonzero().flatten().tolist()
+        runs, start = [], None  # the written byte ranges
+        for i, x in enumerate(changed):
+            if start is None:
+                start = x
+            if i + 1 == len(changed) or changed[i + 1] != x + 1:
+                runs.append((start, x + 1))
+                start = None
+        return out, runs
+
+    ring = torch.zeros(1 << 16, dtype=torch.uint8)
+    assert written(ring, 0, 0, 6000, 0) == ((8192, 6000), [(3000, 6000)])  # fresh: read 0..3000, write 3000..6000
+    # 4000 of 6000 bytes reused: 2000..4000 read, 4000..6000 written; 2000 fresh at 8192
+    assert written(ring, 8192, 6000, 6000, 4000) == ((12288, 10192), [(4000, 6000), (9192, 10192)])
+    assert written(ring, 8192, 6000, 6000, 6000) == ((8192, 6000), [(3000, 6000)])  # all reused: nothing fresh
+    assert written(ring, 8192, 9000, 4000, 4000) == ((8192, 9000), [(7000, 9000)])
+    assert written(ring, 8192, 1000, 6000, 6000) == ((8192, 1000), [(3000, 6000)])  # just wrapped: from the start
+    k = Kernels(torch.device("cpu"), torch.float32)
+    k.run(O.Compute(O.OpId(1), "c", "e", O.ComputeKind.OPTIMIZER, 0, 3000, 3000))
+    k.run(O.Compute(O.OpId(2), "c", "e", O.ComputeKind.OPTIMIZER, 0, 3000, 3000, reuse_bytes=6000,
+                    working_set_bytes=6000))
+    assert (k.offset, k.end) == (8192, 6000)
+
+
 _STEP_GARBAGE = r"""
 import gc
 import torch.distributed as dist

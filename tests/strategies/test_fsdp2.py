@@ -227,3 +227,42 @@ def test_every_combination_is_a_valid_schedule(raf, mp, hsdp, prefetch, gas_sync
 def test_bad_settings_are_refused(cfg, world, message):
     with pytest.raises(CommsimInputError, match=message.replace("(", r"\(")):
         sched(cfg, world=world)
+
+
+def test_adamw_runs_foreach_on_gpus_and_single_tensor_per_parameter_on_cpus():
+    """torch's AdamW default (_default_to_fused_or_foreach): foreach over every parameter
+    at once on CUDA; on CPUs each parameter's eight passes in turn, each a DTensor op,
+    stating what it reuses of the passes before."""
+    from pathlib import Path
+
+    from commsim.api import Scenario, _device
+    from commsim.strategies.fsdp2_layout import FSDP2Layout, local_numel
+    from commsim.strategies.knobs import HostCosts
+
+    md = describe_model("tiny", 2, 16, 4)
+    cfg = parse_fsdp_config({})
+    by = {d: generate_fsdp2(md, World(1, 2), cfg, device=d) for d in ("cuda", "cpu")}
+    adam = {d: [op for op in step(s) if isinstance(op, O.Compute) and op.kind is O.ComputeKind.OPTIMIZER]
+            for d, s in by.items()}
+    n = (177768 - 64) // 2 + 64  # rank 0's rows (test_the_optimizer_steps_on_the_local_rows)
+    assert len(adam["cuda"]) == 8 and {op.reuse_bytes for op in adam["cuda"]} == {0}
+    assert validate(by["cpu"]) == []
+    assert by["cuda"].meta.setting("optimizer") == "torch" and by["cpu"].meta.setting("optimizer") == \
+        "torch single-tensor"
+    params = [p for u in FSDP2Layout.build(md, 2, cfg).units for p in u.params]  # the units' order
+    assert len(adam["cpu"]) == 8 * len(params) == 8 * len(list(md.registered_params()))
+    assert [op.label for op in adam["cpu"][::8]] == [f"optimizer.adamw:{p.name}.weight_decay" for p in params]
+    assert [op.flops for op in adam["cpu"][::8]] == [local_numel(p, 2) for p in params]
+    assert sum(op.flops for op in adam["cpu"][::8]) == n
+    assert sum(op.reuse_bytes for op in adam["cpu"]) == 44 * n
+    assert sum(op.bytes_read + op.bytes_written for op in adam["cpu"]) == \
+        sum(op.bytes_read + op.bytes_written for op in adam["cuda"]) == 80 * n
+    launch = HostCosts().launch_ns
+    hosts = [op.duration_ns for op in step(by["cpu"]) if isinstance(op, O.HostWork) and op.phase is O.Phase.OPTIMIZER
+             and op.kind is O.HostKind.LAUNCH]
+    assert hosts == [launch + HostCosts().dtensor_op_ns] * len(adam["cpu"])
+    with pytest.raises(CommsimInputError, match=r"^device 'tpu': allowed: cuda, cpu$"):
+        generate_fsdp2(md, World(1, 2), cfg, device="tpu")
+    # a gloo profile runs kernels on the host: the model lives on the CPU
+    prof = Path(__file__).resolve().parents[2] / "traces" / "local-cpu" / "small_z2.profile.json"
+    assert _device(Scenario(hw_profile=str(prof)), "fp32") == "cpu" and _device(Scenario(), "bf16") == "cuda"

@@ -43,3 +43,35 @@ def test_optimizer_section_errors_and_warnings():
         parse_ds_config({"optimizer": "adam"})
     assert parse_ds_config({"optimizer": {"type": "Lamb"}}).warnings == (
         "ds_config: optimizer.type: 'Lamb' is modelled with Adam's memory traffic",)
+
+
+def test_single_tensor_adamw_states_what_each_pass_reuses():
+    """One parameter's eight passes run back to back (_single_tensor_adam): each states
+    the bytes an earlier pass over the same parameter touched, within the parameter's
+    four arrays and two temporaries; foreach's passes state none."""
+    from commsim.strategies.builder import ProgramBuilder
+    from commsim.strategies.optimizer import torch_adamw
+
+    k = 1000
+    b = ProgramBuilder()
+    torch_adamw(b, "compute", "opt", [("w", k), ("b", 10)], ("p", "g", "m", "v"), launch_ns=100, foreach=False,
+                dtensor_op_ns=50)
+    ops = [op for op in b.step if isinstance(op, O.Compute)]
+    assert len(ops) == 16 and all(op.label.startswith("opt:w.") for op in ops[:8])
+    w = ops[:8]
+    assert [op.label.rsplit(".", 1)[1] for op in w] == [
+        "weight_decay", "exp_avg_lerp", "exp_avg_sq_mul", "exp_avg_sq_addcmul", "denom_sqrt", "denom_div",
+        "denom_add_eps", "param_addcdiv"]
+    assert [op.bytes_read + op.bytes_written for op in w] == [8 * k, 12 * k, 8 * k, 12 * k, 8 * k, 8 * k, 8 * k, 16 * k]
+    assert [op.reuse_bytes for op in w] == [0, 0, 0, 12 * k, 4 * k, 4 * k, 8 * k, 16 * k]
+    assert {op.working_set_bytes for op in w} == {24 * k}
+    assert [op.reuse_bytes for op in ops[8:]] == [0, 0, 0, 120, 40, 40, 80, 160]
+    launches = [op.duration_ns for op in b.step if isinstance(op, O.HostWork)]
+    assert launches == [150] * 16  # each op a DTensor's
+    flat = ProgramBuilder()
+    torch_adamw(flat, "compute", "opt", [("w", k), ("b", 10)], ("p", "g", "m", "v"), launch_ns=100, foreach=True,
+                dtensor_op_ns=50)
+    fops = [op for op in flat.step if isinstance(op, O.Compute)]
+    assert len(fops) == 8 and {(op.reuse_bytes, op.working_set_bytes) for op in fops} == {(0, 0)}
+    assert fops[0].bytes_read == 4 * (k + 10)
+    assert [op.duration_ns for op in flat.step if isinstance(op, O.HostWork)] == [100] * 8
