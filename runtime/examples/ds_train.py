@@ -136,6 +136,10 @@ def main() -> None:
                 json.dump(deepspeed.comm.comms_logger.get_raw_data(), f)
         deepspeed.comm.log_summary()
     dist.barrier()
+    # tear the process group down before the interpreter does: left to exit, gloo's
+    # threads were once destroyed still joinable ("terminate called without an active
+    # exception", rank 0 aborted after its last step under a loaded CI run)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
