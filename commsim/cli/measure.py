@@ -139,11 +139,36 @@ def cmd_record(args: argparse.Namespace) -> int:
     return rc
 
 
+def _compare_with_comms_log(args: argparse.Namespace, log_record) -> int:
+    """PREDICTED COMMS_LOG: each logged collective size against the prediction's."""
+    from commsim.ingest.comms_compare import compare_log, format_rows, job_ranks, summary
+    from commsim.ingest.comms_logger import parse_raw, parse_text
+    from commsim.ingest.load import load_trace
+
+    pred = load_trace(args.first)
+    content = log_record.content
+    log = parse_text(content, args.second) if isinstance(content, str) else parse_raw(content, args.second)
+    rows = compare_log(pred, log, args.rank)
+    if args.json:
+        med, worst, n = summary(rows)
+        print(json.dumps({"ranks": job_ranks(pred), "sizes": [r.to_json() for r in rows],
+                          "median_abs_error_frac": med, "max_abs_error_frac": worst, "sizes_compared": n,
+                          "note": "logged ops ran synchronised, alone: no overlap; predicted ones ran in the step"},
+                         indent=1))
+        return 0
+    print(format_rows(rows, job_ranks(pred)))
+    return 0
+
+
 def _compare_traces(args: argparse.Namespace) -> int:
+    from commsim.ingest.detect import Format, detect
     from commsim.ingest.load import align_to_prediction, as_prediction, load_trace
     from commsim.ir.trace import TraceSource
     from commsim.report.compare import compare, format_comparison
 
+    second = detect(args.second)
+    if second.format is Format.COMMS_LOG and len(second.records) == 1:
+        return _compare_with_comms_log(args, second.records[0])
     pred, meas = load_trace(args.first), load_trace(args.second)
     if pred.meta.schedule_hash and meas.meta.schedule_hash and pred.meta.schedule_hash != meas.meta.schedule_hash:
         print("commsim: warning: the two traces come from different schedules (schedule hashes differ)",
@@ -258,7 +283,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "of them) or a commsim record folder. PREDICTED MEASURED: step-time error, busy time per stream "
                        "and phase, exposed communication, per-op duration errors and the largest discrepancies "
                        "(--json: one object with step_time_error_frac = (predicted - measured) / measured); a real "
-                       "job's trace (torch.profiler) is matched op by op through its collectives only. "
+                       "job's trace (torch.profiler) is matched op by op through its collectives only. PREDICTED COMMS_LOG "
+                       "(DeepSpeed's comms-logger lines or get_raw_data() JSON): each logged collective size's median "
+                       "time beside the prediction's collectives of that kind and size (the logged ops ran "
+                       "synchronised, alone: no step and no overlap to compare). "
                        "--collectives RECORDED SCHEDULE: does the recorded run end with the schedule's step, "
                        "collective for collective (kind, order, bytes, dtype, group), at least --min-steps times back "
                        "to back with nothing between, covering the recording's last --min-steps steps (a Flight "
@@ -266,8 +294,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "line names the first difference).")
     p.add_argument("first", help="predicted trace (or, with --collectives, a recording: commsim record folder or "
                    "trace, torch.profiler trace, Flight Recorder dump(s))")
-    p.add_argument("second", help="measured trace: commsim execute's or a torch.profiler trace (or, with "
-                   "--collectives, a schedule file)")
+    p.add_argument("second", help="measured trace: commsim execute's or a torch.profiler trace, or DeepSpeed's "
+                   "comms log (or, with --collectives, a schedule file)")
     p.add_argument("--collectives", action="store_true", help="compare collective sequences")
     p.add_argument("--rank", type=int, default=0, help="which rank to compare (default 0)")
     p.add_argument("--min-steps", type=int, default=2,

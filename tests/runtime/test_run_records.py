@@ -310,6 +310,32 @@ def test_calibrate_from_the_comms_log_writes_a_profile_predict_takes(ds, tmp_pat
     assert [pytest.approx(x, rel=0.005) for x in text_sizes] == [x for x, _ in points["all_reduce"].points]
 
 
+def test_compare_a_prediction_with_the_comms_log(ds, tmp_path):
+    pred = tmp_path / "pred.json"
+    out = commsim("predict", "--schedule", ds.sched, "--hw-profile", BASE_PROFILE, "--trace", pred)
+    assert out.returncode == 0, out.stderr
+    sched = Counter((k, b) for k, b, _, _ in schedule_sequence(ds.schedule))
+    for log in (ds.raw, ds.log):
+        out = commsim("compare", pred, log, "--json")
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert got["ranks"] == 2
+        steps = {(r["kind"], r["size_bytes"]): r for r in got["sizes"] if r["kind"] != "broadcast"}
+        # every logged size of the steps' collectives is one the schedule has, matched to it, with the
+        # run's count of ops (the text log's sizes rounded to 2 decimals of their unit: matched to the nearest)
+        assert len(steps) == len(sched)
+        for (kind, size), r in steps.items():
+            exact = min((b for k, b in sched if k == kind), key=lambda b: abs(b - size))
+            assert exact == size if log == ds.raw else abs(exact - size) <= 0.005 * exact
+            assert r["logged_ops"] == sched[(kind, exact)] * DS_STEPS and r["predicted_ops"] == sched[(kind, exact)]
+            assert r["error_frac"] == pytest.approx((r["predicted_s"] - r["logged_s"]) / r["logged_s"])
+        # the start-up broadcasts are in the log and not in a step's prediction
+        assert all(r["predicted_s"] is None for r in got["sizes"] if r["kind"] == "broadcast")
+    text = commsim("compare", pred, ds.raw).stdout.splitlines()
+    assert "synchronised" in text[0] and text[-1].startswith("collectives vs comms log: median |error| = ")
+    assert text[-1].endswith("logged size(s) the prediction does not have)")
+
+
 def test_comms_logs_commsim_cannot_use_exit_2_with_one_line(ds, tmp_path):
     lines = ds.log.read_text().splitlines(keepends=True)
     no_ops = tmp_path / "no_ops.txt"  # the run's log without its op lines and table
