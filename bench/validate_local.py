@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from commsim.api import Scenario, build_schedule, predict  # noqa: E402
-from commsim.hardware.profile import mean_profile  # noqa: E402
+from commsim.hardware.profile_doc import mean_profile  # noqa: E402
 from commsim.ir.errors import CommsimInputError  # noqa: E402
 from commsim.ir.serialize import save_schedule  # noqa: E402
 

@@ -155,7 +155,7 @@ def _device(sc: Scenario, precision: str) -> str:
     (a gloo profile), else "cuda" (every cluster preset, an NCCL profile)."""
     if not sc.hw_profile:
         return "cuda"
-    from commsim.hardware.profile import load_profile
+    from commsim.hardware.profile_doc import load_profile
 
     return "cpu" if load_profile(sc.hw_profile, precision).platform.inline_kernels else "cuda"
 
@@ -260,7 +260,7 @@ DEFAULT_CLUSTER = Scenario.cluster
 
 def cost_model(sc: Scenario, precision: str) -> tuple[CostModel, str]:
     if sc.hw_profile:
-        from commsim.hardware.profile import load_profile
+        from commsim.hardware.profile_doc import load_profile
 
         prof = load_profile(sc.hw_profile, precision)
         return prof, f"profile {sc.hw_profile}"

@@ -71,7 +71,8 @@ def _calibrate_from_comms_log(args: argparse.Namespace) -> int:
     if args.schedule or args.deepspeed_host_costs:
         raise CommsimInputError("--from-comms-log reads a log and measures nothing: leave out --schedule and "
                                 "--deepspeed-host-costs")
-    from commsim.hardware.profile import INTER_NODE, INTRA_NODE, profile_from_dict
+    from commsim.hardware.profile import INTER_NODE, INTRA_NODE
+    from commsim.hardware.profile_doc import profile_from_dict
     from commsim.ingest.comms_logger import (calibration_points, merged_profile, parse_raw, parse_text,
                                              ranks_from_bandwidths)
     from commsim.ingest.detect import Format, detect

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from commsim.hardware.costs import Link, LinkKind, SpecCostModel
-from commsim.hardware.profile import load_profile, mean_profile, profile_from_dict
+from commsim.hardware.profile_doc import load_profile, mean_profile, profile_from_dict
 from commsim.hardware.specs import NODE_PRESETS, cluster_preset
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError

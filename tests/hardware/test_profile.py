@@ -6,7 +6,7 @@ import json
 import pytest
 
 from commsim.hardware.links import Link, LinkKind
-from commsim.hardware.profile import load_profile, profile_from_dict
+from commsim.hardware.profile_doc import load_profile, profile_from_dict
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 from tests.hardware.test_costs import PROFILE

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from commsim.hardware.profile import load_profile
+from commsim.hardware.profile_doc import load_profile
 from commsim.ir.trace import Trace, TraceSource
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_the_profile_document_follows_the_platform():
     import torch
 
     from commsim.hardware.platform import platform_of_backend
-    from commsim.hardware.profile import profile_from_dict
+    from commsim.hardware.profile_doc import profile_from_dict
     from commsim.ir import ops as O
     from runtime.calibrate_profile import Measured, profile_document
 

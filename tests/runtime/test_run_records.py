@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from commsim.cli import main
-from commsim.hardware.profile import load_profile
+from commsim.hardware.profile_doc import load_profile
 from commsim.ingest.comms_logger import DS_KINDS, calibration_points, parse_raw, parse_text
 from commsim.ingest.load import align_to_prediction, load_collectives, load_trace
 from commsim.ir import ops as O

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from commsim.hardware.profile import load_profile
+from commsim.hardware.profile_doc import load_profile
 from commsim.ir.trace import Trace
 from runtime.rendezvous import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
