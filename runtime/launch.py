@@ -145,8 +145,33 @@ def _spawned(cfg: ExecConfig, rank: int, world: int, port: int, progress, err_di
     worker(cfg, rank, world, rank, f"tcp://127.0.0.1:{port}", progress, err_dir, ranks_per_node=world)
 
 
+# A free port is found by binding port 0 and closing it, and rank 0's store binds it a
+# moment later: another process (a test suite's Ray workers, a second run) can take it
+# in between. Rank 0 then fails at its rendezvous before any work, so the ranks are
+# started again on another port.
+PORT_ATTEMPTS = 3
+
+
+def port_clash(message: str) -> bool:
+    """Did a run fail because its rendezvous port was taken (before any work)?"""
+    return "EADDRINUSE" in message or "address already in use" in message.lower()
+
+
+def _on_a_free_port(run):
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return run(_free_port())
+        except ExecutionFailed as e:
+            if attempt + 1 == PORT_ATTEMPTS or not port_clash(str(e)):
+                raise
+
+
 def launch_local(cfg: ExecConfig, nproc: int, wall_timeout_s: float | None = None) -> Trace:
     """Run ``nproc`` local ranks; on any failure stop them all and raise ExecutionFailed."""
+    return _on_a_free_port(lambda port: _launch_local_on(cfg, nproc, port, wall_timeout_s))
+
+
+def _launch_local_on(cfg: ExecConfig, nproc: int, port: int, wall_timeout_s: float | None) -> Trace:
     from commsim.ir.load import load_schedule_any
 
     schedule = load_schedule_any(cfg.schedule_path)
@@ -158,7 +183,6 @@ def launch_local(cfg: ExecConfig, nproc: int, wall_timeout_s: float | None = Non
                                 f"found {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     progress = ctx.Array("q", [-1] * nproc, lock=False)
-    port = _free_port()
     texts = {op.id: op_to_text(op) for r in range(nproc) for op in schedule.program_of(r).step}
     wall = wall_timeout_s or (cfg.timeout_s * 4 + 120)
     with tempfile.TemporaryDirectory(prefix="commsim-exec-") as err_dir:
@@ -270,8 +294,12 @@ def calibrate_env(backend: str, out: str, quick: bool = False, shapes: tuple = (
 
 def calibrate_local(nproc: int, backend: str, out: str, quick: bool = False, wall_timeout_s: float = 900,
                     shapes: tuple = ()) -> None:
+    _on_a_free_port(lambda port: _calibrate_local_on(nproc, backend, out, quick, wall_timeout_s, shapes, port))
+
+
+def _calibrate_local_on(nproc: int, backend: str, out: str, quick: bool, wall_timeout_s: float, shapes: tuple,
+                        port: int) -> None:
     ctx = mp.get_context("spawn")
-    port = _free_port()
     with tempfile.TemporaryDirectory(prefix="commsim-cal-") as err_dir:
         procs = [ctx.Process(target=_calibrate_rank, args=(r, nproc, port, backend, quick, out, err_dir, shapes), daemon=True)
                  for r in range(nproc)]

@@ -62,6 +62,47 @@ def test_a_dead_rank_ends_the_run_naming_rank_and_op(tmp_path):
     assert not (tmp_path / "m.json").exists()
 
 
+def test_a_taken_rendezvous_port_is_tried_again_on_another(tmp_path, monkeypatch):
+    """The port found free is taken before rank 0's store binds it (another process got
+    it in between): the run starts again on a new port instead of failing."""
+    import socket
+
+    import runtime.launch as L
+
+    sched, path = _schedule(tmp_path, 2, 2)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    real, given = L._free_port, []
+    monkeypatch.setattr(L, "_free_port", lambda: given.append(taken if not given else real()) or given[-1])
+    try:
+        trace = launch_local(ExecConfig(str(path), str(tmp_path / "m.json"), steps=1, warmup=0, timeout_s=30), 2)
+    finally:
+        holder.close()
+    assert len(given) == 2 and given[0] == taken and given[1] != taken
+    assert trace.meta.schedule_hash == schedule_hash(sched)
+    # only a clash is retried, and only so often
+    calls = []
+
+    def clash(port):
+        calls.append(port)
+        raise ExecutionFailed(f"s.json: rank 0: DistNetworkError: ... port: {port} ... EADDRINUSE; stopped all ranks")
+
+    with pytest.raises(ExecutionFailed, match="EADDRINUSE"):
+        L._on_a_free_port(clash)
+    assert len(calls) == L.PORT_ATTEMPTS
+    calls.clear()
+
+    def other(port):
+        calls.append(port)
+        raise ExecutionFailed("s.json: rank 1 died (exit code 17) while issuing op 5; stopped all ranks")
+
+    with pytest.raises(ExecutionFailed, match="exit code 17"):
+        L._on_a_free_port(other)
+    assert len(calls) == 1
+
+
 def test_memory_bound_kernels_walk_a_ring_larger_than_the_cache():
     """Each memory-bound kernel moves its bytes at the next page-aligned place of a ring
     of at least twice the last-level cache, so its data comes from memory as a step's
