@@ -133,28 +133,32 @@ NCCL_2_10 = NcclTuning(
     net_overhead_us=0.0,
 )
 
-# NCCL 2.18-2.19 (2.18.3, the nearest to the 2023 stack's 2.18.5 on the registry). NVLS: a 23 us base and no per-hop NVLink cost on one node; an
-# 18 us network hop for NVLS, 19 us for NVLS tree.
+def _hopper_era_hw_lat(pci_tree_simple: float, nvls_nvlink: float, nvls_tree_net: float) -> Mapping:
+    """hwLat of 2.18 and 2.27: the same rows but for the PCI tree's Simple hop, the NVLS
+    algorithms' NVLink hop and NVLS tree's network hop (their binaries' tables)."""
+    def row(ll: float, ll128: float, simple: float) -> Mapping:
+        return MappingProxyType({"LL": ll, "LL128": ll128, "Simple": simple})
+
+    return _table({
+        "nvlink": MappingProxyType({"tree": row(.6, 1.25, 4.0), "ring": row(.6, 1.9, 3.4),
+                                    "nvls": row(0.0, 0.0, nvls_nvlink), "nvls_tree": row(0.0, 0.0, nvls_nvlink)}),
+        "pci": MappingProxyType({"tree": row(1.0, 1.9, pci_tree_simple), "ring": row(1.0, 2.5, 5.7),
+                                 "nvls": row(0.0, 0.0, 0.0), "nvls_tree": row(0.0, 0.0, 0.0)}),
+        "net": MappingProxyType({"tree": row(5.0, 8.5, 14.0), "ring": row(2.7, 4.0, 14.0),
+                                 "nvls": row(0.0, 0.0, 18.0), "nvls_tree": row(0.0, 0.0, nvls_tree_net)}),
+    })
+
+
+# NCCL 2.18-2.19 (2.18.3, the nearest to the 2023 stack's 2.18.5 on the registry). NVLS:
+# a 23 us base and no per-hop NVLink cost on one node; an 18 us network hop for NVLS, 19 us
+# for NVLS tree.
 NCCL_2_18 = NcclTuning(
     version="2.18",
     base_lat_us=_table({"ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4},
                         "tree": {"LL": 6.8, "LL128": 14.0, "Simple": 0.0},
                         "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 23.0},
                         "nvls_tree": {"LL": 0.0, "LL128": 0.0, "Simple": 23.0}}),
-    hw_lat_us=_table({
-        "nvlink": MappingProxyType({"tree": MappingProxyType({"LL": .6, "LL128": 1.25, "Simple": 4.0}),
-                                    "ring": MappingProxyType({"LL": .6, "LL128": 1.9, "Simple": 3.4}),
-                                    "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0}),
-                                    "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0})}),
-        "pci": MappingProxyType({"tree": MappingProxyType({"LL": 1.0, "LL128": 1.9, "Simple": 6.0}),
-                                 "ring": MappingProxyType({"LL": 1.0, "LL128": 2.5, "Simple": 5.7}),
-                                 "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0}),
-                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0})}),
-        "net": MappingProxyType({"tree": MappingProxyType({"LL": 5.0, "LL128": 8.5, "Simple": 14.0}),
-                                 "ring": MappingProxyType({"LL": 2.7, "LL128": 4.0, "Simple": 14.0}),
-                                 "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 18.0}),
-                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 19.0})}),
-    }),
+    hw_lat_us=_hopper_era_hw_lat(pci_tree_simple=6.0, nvls_nvlink=0.0, nvls_tree_net=19.0),
     ll_max_bw=MappingProxyType({"volta": (39.0, 39.0, 20.4), "ampere": (87.7, 22.5, 19.0),
                                 "hopper": (87.7, 22.5, 19.0)}),
     tree_max_bw_per_channel=MappingProxyType({"volta": (26.5, 18.5, 10.0), "ampere": (24.0, 23.6, 17.8),
@@ -182,20 +186,7 @@ NCCL_2_27 = NcclTuning(
                         "tree": {"LL": 6.8, "LL128": 14.0, "Simple": 8.4},
                         "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 0.0},
                         "nvls_tree": {"LL": 0.0, "LL128": 0.0, "Simple": 0.0}}),
-    hw_lat_us=_table({
-        "nvlink": MappingProxyType({"tree": MappingProxyType({"LL": .6, "LL128": 1.25, "Simple": 4.0}),
-                                    "ring": MappingProxyType({"LL": .6, "LL128": 1.9, "Simple": 3.4}),
-                                    "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 25.0}),
-                                    "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 25.0})}),
-        "pci": MappingProxyType({"tree": MappingProxyType({"LL": 1.0, "LL128": 1.9, "Simple": 4.0}),
-                                 "ring": MappingProxyType({"LL": 1.0, "LL128": 2.5, "Simple": 5.7}),
-                                 "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0}),
-                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 0.0})}),
-        "net": MappingProxyType({"tree": MappingProxyType({"LL": 5.0, "LL128": 8.5, "Simple": 14.0}),
-                                 "ring": MappingProxyType({"LL": 2.7, "LL128": 4.0, "Simple": 14.0}),
-                                 "nvls": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 18.0}),
-                                 "nvls_tree": MappingProxyType({"LL": 0.0, "LL128": 0.0, "Simple": 14.0})}),
-    }),
+    hw_lat_us=_hopper_era_hw_lat(pci_tree_simple=4.0, nvls_nvlink=25.0, nvls_tree_net=14.0),
     ll_max_bw=MappingProxyType({"volta": (39.0, 39.0, 20.4), "ampere": (87.7, 22.5, 19.0),
                                 "hopper": (141.0, 45.0, 35.0)}),
     tree_max_bw_per_channel=NCCL_2_18.tree_max_bw_per_channel,

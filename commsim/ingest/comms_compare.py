@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from commsim.ingest.comms_logger import DS_KINDS, CommsLog, calibration_points
+from commsim.ingest.comms_logger import CommsLog, calibration_points
 from commsim.ir.trace import HOST_STREAM, Trace
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -61,24 +61,14 @@ def compare_log(trace: Trace, log: CommsLog, rank: int = 0) -> list[SizeRow]:
     for r in trace.records:
         if r.rank == rank and r.kind in _KINDS and r.stream != HOST_STREAM:
             durations.setdefault((r.kind, r.size_bytes), []).append(r.duration_ns)
-    counts = {kind: _counts(log, kind, ranks) for kind in points}
     rows = []
     for kind, kp in sorted(points.items()):
-        for size, seconds in kp.points:
+        for (size, seconds), logged in zip(kp.points, kp.counts):
             near = [(abs(b - size), b) for k, b in durations if k == kind and abs(b - size) <= SIZE_TOLERANCE * size]
             got = durations[(kind, min(near)[1])] if near else []
-            rows.append(SizeRow(kind, round(size), seconds, counts[kind].get(round(size), 0),
+            rows.append(SizeRow(kind, round(size), seconds, logged,
                                 statistics.median(got) / 1e9 if got else None, len(got)))
     return rows
-
-
-def _counts(log: CommsLog, kind: str, ranks: int) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for op in log.ops:
-        if DS_KINDS.get(op.name, ("", False))[0] == kind:
-            size = round(op.size_bytes * (ranks if DS_KINDS[op.name][1] else 1))
-            out[size] = out.get(size, 0) + 1
-    return out
 
 
 def summary(rows: list[SizeRow]) -> tuple[float | None, float | None, int]:

@@ -168,6 +168,7 @@ class KindPoints:
     kind: str
     points: tuple[tuple[float, float], ...]  # (commsim bytes, median seconds), ascending
     ops: int
+    counts: tuple[int, ...] = ()  # logged ops of each point's size
 
     def fit(self) -> CollectiveFit:
         """Latency from the smallest size, bandwidth from the slope between the smallest
@@ -188,8 +189,9 @@ def calibration_points(log: CommsLog, ranks: int) -> tuple[dict[str, KindPoints]
         kind, times_group = DS_KINDS[op.name]
         size = round(op.size_bytes * (ranks if times_group else 1))
         by.setdefault(kind, {}).setdefault(size, []).append(max(op.seconds, 0.0))
-    out = {kind: KindPoints(kind, tuple(sorted((float(s), statistics.median(t)) for s, t in sizes.items())),
-                            sum(len(t) for t in sizes.values())) for kind, sizes in by.items()}
+    out = {kind: KindPoints(kind, tuple((float(s), statistics.median(sizes[s])) for s in sorted(sizes)),
+                            sum(len(t) for t in sizes.values()), tuple(len(sizes[s]) for s in sorted(sizes)))
+           for kind, sizes in by.items()}
     return out, skipped
 
 
