@@ -32,15 +32,16 @@ import simpy
 from commsim.hardware.sharing import IDLE
 from commsim.sim.lateness import HostLateness
 from commsim.ir import ops as O
-from commsim.sim.allocator import Block, CachingAllocator, OutOfMemory
+from commsim.sim.allocator import Block, CachingAllocator
 from commsim.sim.cpu_scheduler import CpuScheduler, CpuThread
+from commsim.sim.rank_memory import RankMemory
 from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, stall_kind
 
 if TYPE_CHECKING:
     from commsim.sim.engine import Simulator
 
 
-class RankSim:
+class RankSim(RankMemory):
     """One simulated rank: its host process, stream processes and allocator."""
 
     def __init__(self, sim: "Simulator", rank: int):
@@ -334,68 +335,6 @@ class RankSim:
         if not isinstance(last.op, O.Collective) and last.stream in self.stream_comm:
             return self.stream_comm[last.stream]
         return stall_kind(last.op)
-
-    # ------------------------------------------------------------ memory
-    def _malloc(self, op: O.Alloc):
-        env, cost, platform = self.env, self.cost, self.platform
-        res = self.alloc.malloc(op.size_bytes, op.stream)
-        t0 = env.now
-        if res is None:
-            # Flush: synchronise every stream, free all entirely free segments, retry.
-            self.result.flush_times_ns.append(t0)
-            pending = [e for e in self.last_issued.values() if not e.processed]
-            if pending:
-                yield from self._block(pending)  # deferred frees return as their events fire
-            try:
-                res = self.alloc.malloc_after_flush(op.size_bytes, op.stream)
-            except OutOfMemory as e:
-                self.sim.out_of_memory(f"rank {self.rank}: {e} at `{op.label}` ({op.buffer})")
-                yield env.event()  # the simulation stops; this never resumes
-                return
-            delay = sum(cost.free_base_ns + int(cost.free_ns_per_byte * s) for s in res.freed_segment_bytes)
-            delay += cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes)
-            yield env.timeout(delay)
-            self.result.host_blocks.append(HostBlock(t0, env.now, "allocator_flush"))
-        elif res.new_segment_bytes and platform.caching_allocator:
-            # cudaMalloc synchronises the device (allocator.md), then maps the segment.
-            pending = [e for e in self.last_issued.values() if not e.processed]
-            if pending and platform.malloc_syncs_device:
-                yield simpy.AllOf(env, pending)
-            yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes))
-            self.result.host_blocks.append(HostBlock(t0, env.now, "allocator"))
-        elif not platform.caching_allocator:
-            # host malloc, every time (the block bookkeeping still gives peaks): priced by
-            # size where the profile measured it (heap reuse vs fresh mmapped pages)
-            yield from self._on_core(cost.host_malloc_ns(op.size_bytes, op.touch_bytes))
-        else:
-            yield env.timeout(self.sim.config.alloc_hit_ns)
-        self.blocks[op.buffer] = res.block
-        self.block_stream[op.buffer] = op.stream
-        self.buffer_streams[op.buffer] = set()
-        st = self.alloc.stats
-        self.result.memory_samples.append((env.now, st.allocated_bytes, st.reserved_bytes))
-
-    def _free(self, op: O.Free) -> None:
-        block = self.blocks.pop(op.buffer)
-        home = self.block_stream.pop(op.buffer)
-        # record_stream: the block returns once every other stream that used it has
-        # passed this point (an event recorded on each at free time).
-        evs = [self.last_issued[s] for s in self.buffer_streams.pop(op.buffer, ()) if s != home
-               and s in self.last_issued and not self.last_issued[s].processed]
-        if evs:
-            left = [len(evs)]
-
-            def one_done(_ev: simpy.Event, block: Block = block, left: list[int] = left) -> None:
-                left[0] -= 1
-                if left[0] == 0:
-                    self.alloc.free(block)
-
-            for e in evs:
-                e.callbacks.append(one_done)
-        else:
-            self.alloc.free(block)
-        st = self.alloc.stats
-        self.result.memory_samples.append((self.env.now, st.allocated_bytes, st.reserved_bytes))
 
     # ------------------------------------------------------------ streams
     def _start_stream(self, stream: str) -> None:
