@@ -194,13 +194,12 @@ class Calibrator:
         return shapes
 
     def gemm(self, dtype: torch.dtype) -> list[list[float]]:
-        kernels = Kernels(self.device, dtype)
+        kernels = Kernels(self.device, dtype, cold_gemms=True)  # operands from memory, as in a step
         points = []
         for m, n, k, batch in self._gemm_shapes(dtype):
             op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * m * n * k * batch, 0, 0,
                            O.GemmShape(m, n, k, batch))
             t = self._together(lambda op=op: kernels.run(op))
-            kernels.operands.clear()  # one shape's operands at a time (8192^3 in bf16: 400 MB)
             points.append([float(op.flops), op.flops / t])
         # one rate per flop count (shapes of equal work measured with and without batching)
         by_flops: dict[float, list[float]] = {}
@@ -219,11 +218,9 @@ class Calibrator:
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         for shape in self.shapes:
             dt, m, n, k, batch = shape
-            kernels = self._shape_kernels.setdefault(dt, Kernels(self.device, dtypes[dt]))
+            kernels = self._shape_kernels.setdefault(dt, Kernels(self.device, dtypes[dt], cold_gemms=True))
             op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * m * n * k * batch, 0, 0, O.GemmShape(m, n, k, batch))
             t = self._together(lambda op=op, kernels=kernels: kernels.run(op))
-            if self.queued:
-                kernels.operands.clear()  # device memory: one shape's operands at a time
             self._shape_times.setdefault(shape, []).append(t)
 
     def gemm_shapes(self) -> dict[str, list[list[float]]]:

@@ -14,7 +14,11 @@ Two holders of the kernels' memory, one per platform:
 * ``Kernels`` (host platforms, and ``calibrate``'s micro-benchmarks): one ring, and GEMM
   operands kept per shape. Kernels run one at a time on the host thread, so one ring
   serves every stream; a copy is the memory-bound kernel over its bytes read and
-  written (host and "device" are the same memory).
+  written (host and "device" are the same memory). With ``cold_gemms`` (calibrate's
+  GEMM timings) each call reads its operands from the next place of a ring of inputs
+  larger than the last-level cache and writes the next place of a ring of outputs
+  (``ColdOperands``), as a step's GEMMs do: the memory-bound kernels and other GEMMs
+  between two calls of one shape have evicted its operands.
 * ``StreamKernels`` (GPU ranks): what a rank's kernels touch besides the schedule's own
   buffers is fixed before the first step and never reallocated, so that the caching
   allocator sees the schedule's allocations and nothing else: per stream, a ring for
@@ -100,10 +104,11 @@ class Kernels:
     shape: for kernels that run one at a time on the host thread (CPU ranks) and for
     calibrate's benchmarks (which drop the operands after each shape)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
+    def __init__(self, device: torch.device, dtype: torch.dtype, cold_gemms: bool = False):
         self.device, self.dtype = device, dtype
         self.operands: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.ring_bytes = max(MIN_RING_BYTES, 2 * last_level_cache_bytes(device))
+        self.cold = ColdOperands(device, dtype, self.ring_bytes) if cold_gemms else None
         self.scratch = torch.empty(0, dtype=torch.uint8, device=device)
         self.offset = self.end = 0
         self.copies: PinnedCopies | None = None
@@ -128,6 +133,11 @@ class Kernels:
         g = op.gemm
         if g is not None and op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION):
             key = (g.batch, g.m, g.k, g.n)
+            if self.cold is not None:
+                for _ in range(gemm_repeats(op)):
+                    a, b, c = self.cold.next(key)
+                    torch.bmm(a, b, out=c)
+                return
             if key not in self.operands:
                 a = torch.randn(g.batch, g.m, g.k, dtype=self.dtype, device=self.device)
                 b = torch.randn(g.batch, g.k, g.n, dtype=self.dtype, device=self.device)
@@ -151,6 +161,67 @@ class Kernels:
         if self.copies is None or self.copies.capacity < op.size_bytes:
             self.copies = PinnedCopies(self.device, op.size_bytes)
         self.copies.run(op.direction, op.size_bytes)
+
+
+# ColdOperands keeps at most this many operand sets of one shape: the smallest shapes'
+# sets then span a few MiB (colder than the core's own caches, not the last level's).
+MAX_COLD_SETS = 4096
+
+
+class ColdOperands:
+    """GEMM operands that come from memory at every call: the inputs at the next place of
+    a ring of random values and the output at the next place of a ring of its own, both
+    larger than the last-level cache, so no call finds what an earlier one touched.
+    calibrate times GEMMs this way because a step's GEMMs read cold operands: on this
+    project's 2-core VM a 512^3 fp32 GEMM takes 8-10% longer and a batched attention
+    matmul (32 x 128 x 64 x 128) 40-60% longer than with the same operands back to back
+    (traces/README.md, "GEMMs with cold operands"). The views of each shape are built
+    once, so a call costs what the matmul costs."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, ring_bytes: int):
+        self.device, self.dtype, self.ring_bytes = device, dtype, ring_bytes
+        self.inputs = torch.empty(0, dtype=dtype, device=device)
+        self.outputs = torch.empty(0, dtype=dtype, device=device)
+        self.sets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.turn: dict[tuple, int] = {}
+
+    def _rings(self, in_elems: int, out_elems: int) -> None:
+        item = self.inputs.element_size()
+        need_in = max(self.ring_bytes // item, in_elems)
+        if self.inputs.numel() < need_in:
+            self.sets.clear()  # the views were of the old rings
+            self.inputs = torch.randn(need_in, device=self.device).to(self.dtype)
+        need_out = max(self.ring_bytes // item, out_elems)
+        if self.outputs.numel() < need_out:
+            self.sets.clear()
+            self.outputs = torch.zeros(need_out, dtype=self.dtype, device=self.device)
+
+    def next(self, key: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(a, b, out) of the shape ``key`` = (batch, m, k, n) for the next call."""
+        views = self.sets.get(key)
+        if views is None:
+            batch, m, k, n = key
+            na, nb, nc = (_aligned(batch * x * y, 16) for x, y in ((m, k), (k, n), (m, n)))
+            self._rings(na + nb, nc)
+            count = min(MAX_COLD_SETS, max(2, self.inputs.numel() // (na + nb), self.outputs.numel() // nc))
+            views = []
+            for i in range(count):
+                at = i * (na + nb) % max(1, self.inputs.numel() - na - nb + 1)
+                out_at = i * nc % max(1, self.outputs.numel() - nc + 1)
+                views.append((self.inputs[at:at + batch * m * k].view(batch, m, k),
+                              self.inputs[at + na:at + na + batch * k * n].view(batch, k, n),
+                              self.outputs[out_at:out_at + batch * m * n].view(batch, m, n)))
+            self.sets[key] = views
+            self.turn[key] = 0
+        i = self.turn[key]
+        self.turn[key] = (i + 1) % len(views)
+        return views[i]
+
+    def clear(self) -> None:
+        """Drop the rings (device memory between shapes of very different sizes)."""
+        self.sets.clear()
+        self.inputs = self.inputs.new_empty(0)
+        self.outputs = self.outputs.new_empty(0)
 
 
 def gemm_repeats(op: O.Compute) -> int:

@@ -128,6 +128,44 @@ def test_memory_bound_kernels_walk_a_ring_larger_than_the_cache():
     assert k.scratch.numel() == 2 * k.ring_bytes and k.offset == 2 * k.ring_bytes
 
 
+def test_calibrate_gemms_read_operands_that_left_the_cache():
+    """With cold_gemms each call of a shape takes the next operand set of rings larger
+    than the ring bytes (twice the last-level cache): consecutive sets never share a
+    byte, the sets cover the ring before one comes back, and the matmul writes the next
+    place of the output ring. Without it the shape's one cached set serves every call."""
+    import torch
+
+    from runtime.kernels import ColdOperands, Kernels
+
+    cold = ColdOperands(torch.device("cpu"), torch.float32, 1 << 20)  # a 1 MiB "cache ring"
+    key = (2, 32, 16, 8)  # batch, m, k, n: a 1024 + 256 element input set, 512 outputs
+    seen = []
+    for _ in range(260):
+        a, b, c = cold.next(key)
+        assert (a.shape, b.shape, c.shape) == ((2, 32, 16), (2, 16, 8), (2, 32, 8))
+        seen.append((a.storage_offset(), b.storage_offset(), c.storage_offset()))
+    sets = len(cold.sets[key])
+    assert sets == (1 << 18) // 512 == 512  # the output ring holds the most sets
+    assert seen[:3] == [(0, 1024, 0), (1280, 2304, 512), (2560, 3584, 1024)]
+    assert len(set(seen)) == 260  # no set comes back within the output ring's 512
+    in_ranges = [(x, y + 256) for x, y, _ in seen[:204]]  # within one walk of the input ring
+    assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(in_ranges, in_ranges[1:]))
+    assert cold.inputs.numel() * 4 == 1 << 20 and cold.outputs.numel() * 4 == 1 << 20
+    big = (1, 512, 512, 512)  # 2 MiB of inputs: the rings grow to hold one set
+    a, b, c = cold.next(big)
+    assert cold.inputs.numel() == 2 * 512 * 512 and len(cold.sets) == 1  # the old views went with the rings
+    op = O.Compute(O.OpId(1), "c", "g", O.ComputeKind.GEMM, 2 * 32 * 8 * 16 * 2, 0, 0, O.GemmShape(32, 8, 16, 2))
+    k = Kernels(torch.device("cpu"), torch.float32, cold_gemms=True)
+    k.run(op)
+    k.run(op)
+    assert k.operands == {} and k.cold is not None and k.cold.turn[(2, 32, 16, 8)] == 2
+    a, b, c = k.cold.sets[(2, 32, 16, 8)][1]
+    assert torch.allclose(c, torch.bmm(a, b))
+    hot = Kernels(torch.device("cpu"), torch.float32)
+    hot.run(op)
+    assert hot.cold is None and list(hot.operands) == [(2, 32, 16, 8)]
+
+
 def test_an_op_stating_reuse_runs_on_the_bytes_just_touched():
     """The bytes a compute op reuses move on the ring's most recently touched bytes (in
     the cache, as in the program it stands for), the rest on the next fresh region."""
