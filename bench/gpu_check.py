@@ -290,7 +290,8 @@ def run_checks(args: argparse.Namespace, work: Path) -> int:
                 f"({rel(p.metrics.step_time_s, measured)})")
 
     def predict_profile() -> str:
-        return predict_with("profile", Scenario(schedule=str(sched), nodes=1, gpus_per_node=1, hw_profile=str(prof)))
+        return predict_with("profile", Scenario(schedule=str(sched), nodes=1, gpus_per_node=1, hw_profile=str(prof),
+                                                runner="executor"))  # the executor ran it
 
     def predict_preset() -> str:
         found = None if args.cpu else preset_for(str(state.get("device", "")))

@@ -109,7 +109,7 @@ def main() -> None:
     measured = Trace.load(f"{base}.json.gz")
     world = int(measured.meta.get("world_size"))
     pred = predict(Scenario(schedule=f"{base}.schedule.json.gz", nodes=1, gpus_per_node=world,
-                            hw_profile=f"{base}.profile.json"))
+                            hw_profile=f"{base}.profile.json", runner="executor"))  # the executor measured it
     with tempfile.TemporaryDirectory(prefix="commsim-kineto.") as tmp:
         keep = Path(args.keep or tmp)
         keep.mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,7 @@ def main() -> None:
         prof = str(work / "profile.json")
         print(f"calibrating {args.ranks} ranks ...", flush=True)
         commsim("calibrate", "--nproc-per-node", str(args.ranks), "-o", prof)
-    pred = json.loads(commsim("predict", "--schedule", str(sched), "--hw-profile", prof, "--json"))
+    pred = json.loads(commsim("predict", "--schedule", str(sched), "--hw-profile", prof, "--runner", "executor", "--json"))
     per_cycle = [s * 1e3 / args.cycles for s in pred["step_time_samples_s"] or [pred["step_time_s"]]]
     measured = work / "measured.json"
     commsim("execute", str(sched), "--nproc-per-node", str(args.ranks), "--steps", "3", "--warmup", "1",

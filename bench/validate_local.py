@@ -61,6 +61,7 @@ from commsim.api import Scenario, build_schedule, predict  # noqa: E402
 from commsim.hardware.profile_doc import mean_profile  # noqa: E402
 from commsim.ir.errors import CommsimInputError  # noqa: E402
 from commsim.ir.serialize import save_schedule  # noqa: E402
+from runtime.calibrate_ds import FIELDS as DS_FIELDS, merge_host_costs  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -343,7 +344,9 @@ def main() -> None:
         print("measuring DeepSpeed's host costs ...", flush=True)
         base = work / "profile-deepspeed.json"
         commsim("calibrate", "--nproc-per-node", "2", "--deepspeed-host-costs", "-o", str(base))
-        host_costs = json.loads(base.read_text())["host_costs"]
+        measured = json.loads(base.read_text())["host_costs"]
+        host_costs = {k: v for k, v in measured.items() if k in DS_FIELDS}  # each row keeps its own launches
+        host_costs["source"] = "DeepSpeed's routines timed by commsim calibrate --deepspeed-host-costs"
     if args.calibrate_once:
         for key in sorted({row_key(r) for r in rows}, key=str):
             profiles[key] = work / f"profile-{key}.json"
@@ -355,7 +358,7 @@ def main() -> None:
     def with_host_costs(row: Row, profile: Path) -> None:
         if row.runner == "deepspeed":
             obj = json.loads(profile.read_text())
-            obj["host_costs"] = host_costs
+            obj["host_costs"] = merge_host_costs(obj.get("host_costs"), host_costs)
             profile.write_text(json.dumps(obj, indent=1))
 
     def measure(row: Row, cfg_path: Path, sched_path: Path, out: Path) -> float:
@@ -415,7 +418,9 @@ def main() -> None:
                 else:
                     profile = work / f"profile{i}.mean{tag}.json"
                     profile.write_text(json.dumps(mean, indent=1))
-            prediction = predict(replace(sc, hw_profile=str(profile)))
+            # the executor's rows pay its own per-op costs; DeepSpeed's and FSDP2's do not
+            runner = "framework" if row.runner == "deepspeed" or row.fsdp is not None else "executor"
+            prediction = predict(replace(sc, hw_profile=str(profile), runner=runner))
             preds.append(prediction.metrics.step_time_s)
             ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace())
             for p, v in ph_meas.items():

@@ -55,6 +55,10 @@ class Scenario:
     jitter: float | None = None
     host_costs: Any = None  # HostCosts overriding the defaults / the profile's measured ones
     extrapolate: bool = False  # let a profile price groups larger than (or placed unlike) those it measured
+    # what runs the schedule on a profile's machine: "framework" (DeepSpeed, FSDP2: the
+    # schedule's own host ops are its whole host cost) or "executor" (commsim execute,
+    # which also pays its own per-op costs, measured into the profile)
+    runner: str = "framework"
     warnings: list[str] = field(default_factory=list, compare=False)
 
     def with_(self, **changes: Any) -> "Scenario":
@@ -258,11 +262,18 @@ def _info_from_schedule(schedule: Schedule, nodes: int, price: float) -> StepInf
 DEFAULT_CLUSTER = Scenario.cluster
 
 
+RUNNERS = ("framework", "executor")
+
+
 def cost_model(sc: Scenario, precision: str) -> tuple[CostModel, str]:
+    if sc.runner not in RUNNERS:
+        raise CommsimInputError(f"--runner {sc.runner}: must be one of {', '.join(RUNNERS)}")
     if sc.hw_profile:
         from commsim.hardware.profile_doc import load_profile
 
         prof = load_profile(sc.hw_profile, precision)
+        if sc.runner == "framework":
+            prof = prof.run_by_framework()
         return prof, f"profile {sc.hw_profile}"
     cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
     return SpecCostModel(cluster, precision), cluster.name
@@ -336,7 +347,8 @@ def _profile_sources(prof: Any, path: str, sc: Scenario, schedule: Schedule, clu
                        for place, size in prof.groups_measured) or "none (one rank)"
     fields = ["GEMMs by size" + (" and exact shape" if prof.gemm_shapes else ""), "memory-bound kernels",
               "copies", f"collectives (groups measured: {groups})", "compute/communication contention",
-              "executor overheads", "allocation costs", f"memory size ({prof.hbm_bytes / 1e9:.1f} GB)"]
+              *(["executor overheads (--runner executor)"] if sc.runner == "executor" else []),
+              "allocation costs", f"memory size ({prof.hbm_bytes / 1e9:.1f} GB)"]
     if prof.cpu_cores:
         fields.append(f"CPU cores ({prof.cpu_cores})" + (", OS time slice" if prof.time_slice_ns else ""))
     if prof.rank_noise_sd:
@@ -430,6 +442,7 @@ def scenario_from_args(args: Any) -> Scenario:
         knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
         checkpointing=not args.no_checkpointing, checkpoint_style=args.checkpoint_style, schedule=args.schedule, hw_profile=args.hw_profile,
         mode=args.mode, seed=args.seed, jitter=args.jitter, extrapolate=getattr(args, "extrapolate", False),
+        runner=getattr(args, "runner", "framework"),
     )
 
 

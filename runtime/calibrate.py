@@ -7,7 +7,8 @@ compete for the same cores, on GPUs each rank has its own.
 Measured:
 * GEMM throughput by size (the executor's batched matmul), as (flops, flops/s) points:
   up to 1024^3 on CPUs, up to 8192^3 on GPUs (where smaller ones do not fill the
-  device), and each exact shape of the schedules given;
+  device), and each exact shape of the schedules given; every call reads its operands
+  from memory (``runtime.kernels.ColdOperands``), as a step's GEMMs do;
 * memory-bound kernels by size, on data not in the cache (as a step's tensors are):
   a table, and a fixed cost per kernel and bandwidth (a least-squares fit of time over
   bytes), used for elementwise ops and copies; on CPUs also the last-level cache's size
@@ -43,7 +44,6 @@ allocated and kernels waited for, follows the backend's platform
 
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 import time
@@ -55,25 +55,15 @@ import torch.distributed as dist
 
 from commsim.hardware.platform import KernelExecution, platform_of_backend
 from commsim.ir import ops as O
-from commsim.ir.schedule import Program, Schedule
 from runtime.calibrate_cpu import cache, cpu_cores, rank_noise, time_slice
+from runtime.calibrate_host import HostMeasurements
 from runtime.calibrate_profile import Measured, device_name, profile_document
 from runtime.collectives import all_gather, reduce_scatter
-from runtime.executor import RankExecutor, RankOptions
 from runtime.kernels import Kernels, PinnedCopies, default_precision, device_of
-from runtime.timing import CudaTimer, HostTimer, calls_for, covering_calls, mutual_slowdown, per_call
+from runtime.timing import CudaTimer, HostTimer, latency_bandwidth, mutual_slowdown, per_call
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
-
-
-def _latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Latency from the smallest transfer, bandwidth from the slope between the smallest
-    and the largest (a least-squares intercept is dominated by the big sizes' noise)."""
-    points = sorted(points)
-    (x0, y0), (x1, y1) = points[0], points[-1]
-    bw = (x1 - x0) / (y1 - y0) if y1 > y0 else x1 / max(y1, 1e-9)
-    return max(0.0, y0 - x0 / bw), bw
 
 
 @dataclass(frozen=True)
@@ -109,9 +99,10 @@ def group_sets(world: int, ranks_per_node: int) -> list[GroupSet]:
     return out
 
 
-class Calibrator:
+class Calibrator(HostMeasurements):
     """One rank's calibration: the benchmarks, each run on every rank at once with the
-    executor's own kernels and backend (``run`` runs them all)."""
+    executor's own kernels and backend (``run`` runs them all); the host-side ones
+    (executor overheads, allocations, first touch) are ``HostMeasurements``'."""
 
     def __init__(self, rank: int, world: int, backend: str, quick: bool = False, log: Callable[[str], None] = print,
                  shapes: tuple[tuple[str, int, int, int, int], ...] = (), ranks_per_node: int | None = None,
@@ -248,7 +239,7 @@ class Calibrator:
         for nbytes in sizes:
             op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.ELEMENTWISE, 0, nbytes // 2, nbytes // 2)
             pts.append((float(nbytes), self._together(lambda op=op: self.kernels.run(op))))
-        a, bw = _latency_bandwidth(pts)
+        a, bw = latency_bandwidth(pts)
         self.log(f"memory-bound kernels: {a * 1e6:.1f} us + {bw / 1e9:.2f} GB/s "
                  f"({pts[-1][0] / pts[-1][1] / 1e9:.2f} GB/s at {pts[-1][0] / 2**20:.0f} MiB)")
         return a, bw, [[int(x), y] for x, y in pts]
@@ -277,8 +268,8 @@ class Calibrator:
         copies = PinnedCopies(self.device, max(sizes))
         out: dict[str, dict[str, Any]] = {}
         for direction in (O.CopyDirection.H2D, O.CopyDirection.D2H):
-            pts = [(float(n), self._together(lambda n=n, d=direction: copies.run(d, n))) for n in sizes]
-            a, bw = _latency_bandwidth(pts)
+            pts = [(float(n), self._together(lambda n=n, d=direction, c=copies: c.run(d, n))) for n in sizes]
+            a, bw = latency_bandwidth(pts)
             out[direction.value] = {"latency_ns": int(a * 1e9), "bytes_per_s": bw,
                                     "points": [[int(x), y] for x, y in pts]}
             self.log(f"{direction.value} copies (pinned): {a * 1e6:.1f} us + {bw / 1e9:.2f} GB/s")
@@ -333,7 +324,7 @@ class Calibrator:
             for kind in KINDS:
                 pts = [(float(s), self._together(self._collective(kind, s, group, gs.size), self.comm_timer))
                        for s in sizes]
-                a, bw = _latency_bandwidth(pts)
+                a, bw = latency_bandwidth(pts)
                 fit = out[kind].setdefault(gs.placement, {})[str(gs.size)] = {
                     "latency_ns": int(a * 1e9), "bytes_per_s": bw, "points": [[int(x), y] for x, y in pts],
                     "concurrent_groups": len(gs.groups)}
@@ -425,107 +416,6 @@ class Calibrator:
         slow = self.agree_all([compute_busy / compute_alone, comm_busy / comm_alone])
         return max(1.0, slow[0]), max(1.0, slow[1])
 
-    # ------------------------------------------------------------ executor costs
-    def executor_overheads(self) -> tuple[int, int]:
-        """(host ns to issue a device op, per-op overhead ns) of the executor itself."""
-        n = 300
-        step = tuple(O.Compute(O.OpId(i + 1), "compute", "tiny", O.ComputeKind.ELEMENTWISE, 0, 64, 64)
-                     for i in range(n))
-        sched = Schedule.uniform(self.world, Program((), step))
-        ex = RankExecutor(sched, self.rank, self.backend, RankOptions(steps=3, warmup=1))
-        run = ex.run()
-        per_op = statistics.median(run.step_times_ns) / n
-        issue = [r for r in run.records if r.stream != "host"]
-        # issue cost: how fast the host hands ops over (start of the i-th op can be no
-        # earlier than i issues); estimate from the worker's inter-op gaps and span
-        starts = sorted(r.start_ns for r in issue if r.step == 0)
-        gaps = [b - a for a, b in zip(starts, starts[1:])]
-        issue_ns = int(statistics.median(gaps)) if gaps else 0
-        per_op, issue_f = self.agree_all([per_op, float(issue_ns)])
-        self.log(f"executor: {per_op / 1e3:.1f} us per op, host issue {issue_f / 1e3:.1f} us")
-        return int(issue_f), int(per_op)
-
-    def alloc(self) -> tuple[float, float, list[list[float]]]:
-        """Allocations as the executor makes them (on CPUs: zeroed host memory), in a
-        steady state like a training step's: each round allocates every size in turn,
-        holds them all, then frees them. Returns the latency-bandwidth line and the
-        per-size table. With a caching allocator (GPUs) the cache is emptied between
-        rounds, so each round times cudaMalloc itself (what a cache miss costs): the
-        host's time for the call, with the device idle before it (cudaMalloc waits for
-        it), and no synchronise after it (the allocation queues nothing). With malloc
-        (CPUs) the table matters: glibc reuses heap pages below its mmap threshold (up
-        to 32 MiB) and maps fresh ones above it, so the cost per byte jumps across it;
-        sizes on both sides of 32 MiB are measured."""
-        sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 30 << 20, 34 << 20, 64 << 20]
-        if self.quick:
-            sizes = [4 << 10, 1 << 20, 16 << 20, 34 << 20]
-        if self.platform.caching_allocator:
-            make = (lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
-        else:
-            make = (lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device))
-        rounds = 4 if self.quick else 8
-        times: dict[int, list[float]] = {n: [] for n in sizes}
-        for r in range(rounds + 1):
-            dist.barrier()
-            live = []
-            for n in sizes:
-                self.sync()  # GPUs: the device idle, as cudaMalloc waits for it
-                t = time.perf_counter()
-                live.append(make(n))
-                if r:  # the first round warms the heap up
-                    times[n].append(time.perf_counter() - t)
-            del live
-            if self.platform.caching_allocator:  # each round's allocations are cudaMalloc calls, not cache hits
-                self.sync()
-                torch.cuda.empty_cache()
-        mean = self.agree_all([statistics.fmean(times[n]) for n in sizes])  # see _together
-        pts = [(float(n), float(t)) for n, t in zip(sizes, mean)]
-        a, bw = _latency_bandwidth(pts)
-        self.log("allocation: " + ", ".join(f"{n / 2**20:g} MiB {t * 1e3:.2f} ms" for n, t in pts))
-        return a, 1.0 / bw, [[int(x), y] for x, y in pts]
-
-    def allocator_stats(self) -> dict[str, int] | None:
-        """GPUs: the caching allocator's statistics after the calibration
-        (``torch.cuda.memory_stats``): retries (cache flushes), out-of-memory errors,
-        peak reserved and allocated bytes, cudaMalloc and cudaFree calls. What a run on
-        this device did, recorded with the profile; None on CPUs (malloc keeps none)."""
-        if self.device.type != "cuda":
-            return None
-        stats = torch.cuda.memory_stats(self.device)
-        keys = {"num_alloc_retries": "num_alloc_retries", "num_ooms": "num_ooms",
-                "reserved_bytes.all.peak": "reserved_bytes_peak", "allocated_bytes.all.peak": "allocated_bytes_peak",
-                "num_device_alloc": "num_device_alloc", "num_device_free": "num_device_free"}
-        return {name: int(stats.get(key, 0)) for key, name in keys.items()}
-
-    def first_touch(self) -> float:
-        """Host memory: seconds per byte that a fresh page's first write costs over a
-        write to touched memory, plus its unmap at free. A block above glibc's mmap
-        threshold is fresh pages: ``torch.empty`` costs nothing until it is written,
-        then each page faults and the kernel zeroes it. Frameworks allocate such
-        blocks and write only part of them (DeepSpeed's gradient bucket). Measured
-        as fill(empty(n)) - fill again + free, n = 64 MiB. With a caching allocator
-        (GPUs): 0 (device memory is mapped whole by cudaMalloc)."""
-        if self.platform.caching_allocator:
-            return 0.0
-        n = 64 << 20
-        rounds = 3 if self.quick else 6
-        per_round = []
-        for r in range(rounds + 1):
-            dist.barrier()
-            x = torch.empty(n, dtype=torch.uint8, device=self.device)
-            t0 = time.perf_counter()
-            x.fill_(1)
-            t1 = time.perf_counter()
-            x.fill_(2)
-            t2 = time.perf_counter()
-            del x
-            t3 = time.perf_counter()
-            if r:  # the first round warms the code path up
-                per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n)
-        mean = self.agree(max(0.0, statistics.fmean(per_round)))  # see _together
-        self.log(f"first touch of fresh pages: {mean * 1e9:.3f} ns/B")
-        return mean
-
     def devices(self) -> list[str]:
         """Every rank's device name, each once, in order of first appearance."""
         names: list[Any] = [None] * self.world
@@ -549,6 +439,7 @@ class Calibrator:
             self.gemm_shapes_round()
         slow_c, slow_n, slow_lat = self.contention()
         issue_ns, per_op_ns = self.executor_overheads()
+        launches = self.launch_costs()
         alloc_a, alloc_per_byte, alloc_points = self.alloc()
         first_touch = self.first_touch()
         if not self.quick:
@@ -566,5 +457,5 @@ class Calibrator:
             alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
             first_touch_s_per_byte=first_touch, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise,
             devices=devices, nodes=self.nodes, kernel_overhead_ns=kernel_ns, copies=copies,
-            allocator=allocator, cache=in_cache)
+            allocator=allocator, cache=in_cache, host_costs=launches)
         return profile_document(measured, self.platform, self.device, self.world, self.ranks_per_node)

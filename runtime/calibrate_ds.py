@@ -6,7 +6,8 @@ paths, gradient hooks and bucket flushes run for real on the CPU with their devi
 calls replaced by no-ops) at two world sizes, and fits each routine's fixed cost and
 its cost per parameter (and per rank, for the loops over ranks). The fields go into
 the profile's ``host_costs`` and replace the release's defaults in predictions made
-with that profile. Launch costs are left to the defaults: they are a GPU host's.
+with that profile, beside the calibration's own launch costs (on CPUs: a PyTorch op's
+dispatch; ``merge_host_costs``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # Two world sizes fit the loops over ranks. The bucket flush's figures are the least
 # stable (a few flushes a step; its per-gradient intercept is small beside 3 us x 64
 # ranks): three calibrations spread 13% / 47% (fixed / per gradient) at (8, 64) and
-# 24% / 36% at (8, 16, 64); every other figure within 10% (traces/README.md)
+# 24% / 36% at (8, 16, 64); every other figure within 10% (traces/README.md). A second,
+# quarter-size bucket (flushes of 1-10 gradients) made it worse: the flush's fixed part
+# grows with the world too (one gradient: 282 us at 8 ranks, 395-440 us at 64), which
+# one intercept for every world cannot fit.
 WORLDS = (8, 64)
-# the DeepSpeed routines' fields of HostCosts (launches are a GPU host's: not from here)
+# the DeepSpeed routines' fields of HostCosts (launches come from calibrate itself)
 FIELDS = ("module_hook_ns", "fetch_param_ns", "gather_param_ns", "gather_param_rank_ns", "wait_param_ns",
           "wait_param_rank_ns", "release_hook_ns", "release_param_ns", "free_param_ns", "grad_hook_ns",
           "reduce_flush_ns", "reduce_param_ns", "reduce_param_rank_ns")
@@ -58,6 +62,15 @@ def measure_host_costs(nproc: int, profile: str, log=print) -> dict:
     costs["source"] = (f"DeepSpeed {version}'s routines timed by commsim calibrate --deepspeed-host-costs "
                        f"(runtime/ds_host_costs.py, worlds {'/'.join(map(str, WORLDS))})")
     return costs
+
+
+def merge_host_costs(measured: dict | None, deepspeed: dict) -> dict:
+    """A profile's host costs with DeepSpeed's routines' added: the calibration's own
+    (its launches, on CPUs) kept, both sources named."""
+    if not measured:
+        return dict(deepspeed)
+    sources = "; ".join(dict.fromkeys(s for s in (measured.get("source"), deepspeed.get("source")) if s))
+    return {**measured, **deepspeed, **({"source": sources} if sources else {})}
 
 
 if __name__ == "__main__":

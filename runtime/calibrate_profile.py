@@ -51,6 +51,7 @@ class Measured:
     copies: dict[str, dict[str, Any]] | None = None  # GPUs: "h2d" / "d2h" -> latency_ns, bytes_per_s, points
     allocator: dict[str, int] | None = None  # GPUs: the caching allocator's statistics
     cache: dict[str, float] | None = None  # CPUs: the last-level cache's "bytes" and in-cache "bytes_per_s"
+    host_costs: dict[str, Any] | None = None  # CPUs: a framework's launch costs on this machine (HostCosts fields)
 
 
 def profile_document(m: Measured, platform: Platform, device: torch.device, world: int,
@@ -104,6 +105,7 @@ def profile_document(m: Measured, platform: Platform, device: torch.device, worl
         **({"rank_noise": m.rank_noise} if m.rank_noise is not None else {}),
         **({"allocator": m.allocator} if m.allocator is not None else {}),
         **({"cache": m.cache} if m.cache is not None else {}),
+        **({"host_costs": m.host_costs} if m.host_costs is not None else {}),
         "alloc": {"malloc_base_ns": int(m.alloc_latency_s * 1e9), "malloc_ns_per_byte": m.alloc_s_per_byte * 1e9,
                   "free_base_ns": int(m.alloc_latency_s * 1e9), "free_ns_per_byte": 0.0, "points": m.alloc_points,
                   "first_touch_ns_per_byte": m.first_touch_s_per_byte * 1e9},

@@ -396,10 +396,10 @@ def calibrate(out: str, backend: str = "gloo", nproc: int = 2, quick: bool = Fal
     calibrate_local(nproc, backend, out, quick=quick, shapes=shapes)
     if deepspeed_host_costs:
         from commsim.util.files import atomic_write_text
-        from runtime.calibrate_ds import measure_host_costs
+        from runtime.calibrate_ds import measure_host_costs, merge_host_costs
 
         costs = measure_host_costs(nproc, out, log=log or (lambda m: None))
         profile = json.loads(Path(out).read_text())
-        profile["host_costs"] = costs
+        profile["host_costs"] = merge_host_costs(profile.get("host_costs"), costs)
         atomic_write_text(out, json.dumps(profile, indent=1))
     return Calibrated(nproc, False, True)

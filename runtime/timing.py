@@ -168,3 +168,12 @@ def mutual_slowdown(a_alone: float, b_alone: float, min_s: float, a_beside_b: Ca
     n = calls_for(b_alone, min_s)
     b = agree(b_beside_a(n, covering_calls(n * b_alone, a_alone)) / n)
     return max(1.0, a / a_alone), max(1.0, b / b_alone)
+
+
+def latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Latency from the smallest transfer, bandwidth from the slope between the smallest
+    and the largest (a least-squares intercept is dominated by the big sizes' noise)."""
+    points = sorted(points)
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    bw = (x1 - x0) / (y1 - y0) if y1 > y0 else x1 / max(y1, 1e-9)
+    return max(0.0, y0 - x0 / bw), bw

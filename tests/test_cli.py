@@ -318,7 +318,7 @@ def test_the_report_says_what_came_from_the_profile(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[1] == (f"from profile {prof} (gloo, CPU: test; 2 rank(s) per node x 1 node(s)): GEMMs by size, "
                         "memory-bound kernels, copies, collectives (groups measured: 2 inside a node), "
-                        "compute/communication contention, executor overheads, allocation costs, memory size (8.6 GB)")
+                        "compute/communication contention, allocation costs, memory size (8.6 GB)")
     assert lines[2] == ("from cluster preset p4d: the world's shape (1 node(s) x 2 rank(s)) and the price per hour")
     # the profile measured no host costs: the release's table priced the hooks
     assert lines[3] == "host costs: DeepSpeed 0.19.8's table (commsim.strategies.knobs.HOST_COSTS)"

@@ -96,6 +96,11 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    help="measured hardware profile (from commsim calibrate): its machine replaces the cluster's "
                    "hardware; the cluster lends only the world's shape and price, and naming another --cluster or a "
                    "--net asks for that GPU cluster, which only an nccl profile can price")
+    p.add_argument("--runner", choices=("framework", "executor"), default="framework",
+                   help="with --hw-profile: what runs the schedule on the profiled machine: a framework (DeepSpeed, "
+                   "FSDP2), whose host cost is the schedule's own host ops (default), or commsim's executor (commsim "
+                   "execute, to compare with its traces), which also pays its own per-op costs, measured into the "
+                   "profile by calibrate")
     p.add_argument("--extrapolate", action="store_true",
                    help="with --hw-profile: price collectives over more ranks than the profile measured (or placed "
                    "across nodes when it measured one node) from its nearest measured group, with a warning, instead "

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
@@ -173,6 +173,18 @@ class HardwareProfile:
         if size_bytes < x_lo:  # below the smallest: a fixed cost dominates there
             return int(y_lo * 1e9)
         return max(0, int(_piecewise(pts, size_bytes) * 1e9))
+
+    def run_by_framework(self) -> "HardwareProfile":
+        """This profile pricing a framework's run of a schedule instead of commsim's
+        executor's: without the executor's own per-op costs, which calibrate measures
+        (``executor_overheads``) and no framework pays. ``issue_ns`` is the executor's
+        host time to hand over an op (a framework's is the schedule's launch host op);
+        where kernels run inline (CPUs) the kernel's fixed cost is the executor's per-op
+        time (its loop and the stand-in kernel's Python), of which a framework's op pays
+        the launch host op's dispatch only (``host_costs.launch_ns``, a torch op's
+        dispatch timed by calibrate). On GPUs the fixed cost is the device's own and stays."""
+        inline = self.platform.inline_kernels
+        return replace(self, issue_ns=0, kernel_overhead_ns=0 if inline else self.kernel_overhead_ns)
 
     @cached_property
     def platform(self) -> Platform:

@@ -123,6 +123,42 @@ def test_profile_costs(tmp_path):
         p.collective(ar)
 
 
+def test_a_framework_run_pays_no_executor_costs(tmp_path):
+    """A profile prices commsim's executor with its own per-op costs (issue, and on CPUs
+    the per-op time as each kernel's fixed cost); a framework's run of the same schedule
+    pays neither (its launches are the schedule's host ops). On GPUs the fixed cost is
+    the device's own and stays. predict picks by --runner, framework by default."""
+    from commsim.api import Scenario, predict
+    from commsim.ir.schedule import Program, Schedule
+    from commsim.ir.serialize import save_schedule
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**PROFILE, "issue_ns": 700, "elementwise_points": [[4096, 2e-6], [1 << 20, 5e-4]]}))
+    p = load_profile(path)
+    f = p.run_by_framework()
+    assert (p.issue_ns, p.kernel_overhead_ns) == (700, 1000) and (f.issue_ns, f.kernel_overhead_ns) == (0, 0)
+    gemm = O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, 10**9, 0, 0)
+    assert p.compute_ns(gemm) - f.compute_ns(gemm) == 1000
+    gpu = tmp_path / "g.json"
+    gpu.write_text(json.dumps({**PROFILE, "backend": "nccl", "issue_ns": 700}))
+    g = load_profile(gpu).run_by_framework()
+    assert (g.issue_ns, g.kernel_overhead_ns) == (0, 1000)
+    n = 50  # small kernels back to back: the fixed costs are the difference
+    step = tuple(O.Compute(O.OpId(i + 1), "compute", "k", O.ComputeKind.ELEMENTWISE, 0, 4096, 4096) for i in range(n))
+    sched = tmp_path / "s.json"
+    save_schedule(Schedule.uniform(2, Program((), step)), sched)
+    sc = Scenario(schedule=str(sched), nodes=1, gpus_per_node=2, hw_profile=str(path), mode="symmetric")
+    ex, fw = predict(sc.with_(runner="executor")), predict(sc)
+    assert fw.scenario["runner"] == "framework"
+    work = p.compute_ns(step[0]) - 1000  # the table's time over its smallest size
+    assert work > 0 and fw.metrics.step_time_s * 1e9 == pytest.approx(n * work, abs=2)
+    assert ex.metrics.step_time_s * 1e9 == pytest.approx(n * (700 + 1000 + work), abs=2)
+    assert any("executor overheads (--runner executor)" in s for s in ex.sources)
+    assert not any("executor overheads" in s for s in fw.sources)
+    with pytest.raises(CommsimInputError, match=r"^--runner gpu: must be one of framework, executor$"):
+        predict(sc.with_(runner="gpu"))
+
+
 def test_profile_collective_call_holds_the_host_by_measured_size(tmp_path):
     """call_points (CPU backends): how long the call holds the calling thread,
     interpolated by size; none measured: the call costs the host nothing here."""

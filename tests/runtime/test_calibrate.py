@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from commsim.hardware.profile_doc import load_profile
+from commsim.ir import ops as O
+from commsim.ir.load import load_schedule_any
 from commsim.ir.trace import Trace, TraceSource
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +39,17 @@ def test_quick_calibration_then_predict(tmp_path):
     # a fresh page's first write (fault, kernel zeroing) and its unmap cost something
     assert p.first_touch_ns_per_byte > 0
     obj = json.loads(prof.read_text())
+    # a framework's launch on this CPU: a torch op's dispatch (no cudaLaunchKernel), and
+    # a collective's call priced by the backend's call time; the schedule takes them
+    assert 0 < obj["host_costs"]["launch_ns"] < 50_000 and obj["host_costs"]["collective_launch_ns"] == 0
+    made = tmp_path / "s2.json"
+    out = subprocess.run([sys.executable, "-m", "commsim.cli", "schedule", "--model", "tiny", "--nodes", "1",
+                          "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "--hw-profile", str(prof),
+                          "-o", str(made)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    launches = {op.duration_ns for op in load_schedule_any(str(made)).programs[0].step
+                if isinstance(op, O.HostWork) and op.kind is O.HostKind.LAUNCH and op.label == "launch"}
+    assert launches == {obj["host_costs"]["launch_ns"]}
     # the last-level cache the executor sizes its ring by, and the memory-bound kernel's
     # rate on data in it (about 3-4x the rate from memory on the development VM; not
     # compared here, where other tests share the cores)
@@ -54,9 +67,7 @@ def test_quick_calibration_then_predict(tmp_path):
         assert (p.rank_noise_sd, p.rank_noise_corr_ns) == (obj["rank_noise"]["sd"], obj["rank_noise"]["corr_ns"])
     assert set(obj["gemm_by_dtype"]) == {"fp32", "bf16"}
     # the schedule's own GEMM shapes, timed in its precision (bf16: the default config)
-    from commsim.ir import ops as O
-    from commsim.ir.serialize import load_schedule
-    shapes = {(op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch) for op in load_schedule(sched).programs[0].step
+    shapes = {(op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch) for op in load_schedule_any(str(sched)).programs[0].step
               if isinstance(op, O.Compute) and op.gemm is not None}
     assert {tuple(r[:4]) for r in obj["gemm_shapes_by_dtype"]["bf16"]} == shapes
     assert set(load_profile(prof, "bf16").gemm_shapes) == shapes

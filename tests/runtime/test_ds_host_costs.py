@@ -73,3 +73,16 @@ def test_installed_deepspeed_is_timed_routine_by_routine(tmp_path):
     assert fits["fetch"]["fixed_ns"] > 0 and fits["grad_hook"]["fixed_ns"] > 0
     assert fits["fetch"]["total_counts"]["gathered"] > 0
     assert doc["primitives"]["torch_op_ns"] > 0
+
+
+def test_deepspeeds_host_costs_join_the_calibrations_own():
+    """calibrate --deepspeed-host-costs adds DeepSpeed's routines to the profile's host
+    costs: the calibration's launches stay, DeepSpeed's figures win where both have one,
+    and both sources are named once."""
+    from runtime.calibrate_ds import merge_host_costs
+
+    mine = {"launch_ns": 2600, "collective_launch_ns": 0, "source": "launches timed"}
+    ds = {"module_hook_ns": 30000, "launch_ns": 9999, "source": "DeepSpeed timed"}
+    assert merge_host_costs(mine, ds) == {"launch_ns": 9999, "collective_launch_ns": 0, "module_hook_ns": 30000,
+                                          "source": "launches timed; DeepSpeed timed"}
+    assert merge_host_costs(None, ds) == ds and merge_host_costs(ds, ds)["source"] == "DeepSpeed timed"

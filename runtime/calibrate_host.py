@@ -1,0 +1,150 @@
+"""Calibration's host-side measurements: the executor's own per-op costs, allocation
+cost by size in a step-like steady state, the first touch of fresh host pages, and the
+caching allocator's statistics on GPUs.
+
+A mixin of ``runtime.calibrate.Calibrator``: it uses the calibrator's rank, world,
+backend, platform, device, ``quick``, ``sync``, ``agree`` / ``agree_all`` and ``log``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commsim.ir import ops as O
+from commsim.ir.schedule import Program, Schedule
+from runtime.executor import RankExecutor, RankOptions
+from runtime.timing import HostTimer, latency_bandwidth, per_call
+
+
+class HostMeasurements:
+    """Host-side benchmarks of a ``Calibrator``."""
+
+    rank: int
+    world: int
+    backend: str
+    platform: Any
+    device: Any
+    quick: bool
+    min_s: float
+
+    def launch_costs(self) -> dict[str, Any] | None:
+        """CPUs: a framework's host cost per kernel on this machine, for the schedule's
+        launch host ops: one small PyTorch op's dispatch (``x.mul_(1.0)`` on 256
+        elements, whose kernel is a few ns), the mean of a batch, the slowest rank's.
+        A CPU has no cudaLaunchKernel, which the default launch costs include. A
+        collective's launch is 0: its call is priced by the backend's own measured call
+        time (``call_points``), which includes c10d's dispatch. None on GPUs, whose
+        launches keep the cited figures (``commsim.strategies.knobs.HostCosts``)."""
+        if not self.platform.inline_kernels:
+            return None
+        x = torch.zeros(256, device=self.device)
+        t = per_call(HostTimer(), lambda: x.mul_(1.0), self.min_s, self.agree)
+        self.log(f"launch: {t * 1e6:.2f} us per PyTorch op's dispatch")
+        return {"launch_ns": int(t * 1e9), "collective_launch_ns": 0,
+                "source": "launches timed by commsim calibrate (a PyTorch op's dispatch on this CPU; collective calls "
+                          "priced by the backend's call time)"}
+
+    def executor_overheads(self) -> tuple[int, int]:
+        """(host ns to issue a device op, per-op overhead ns) of the executor itself."""
+        n = 300
+        step = tuple(O.Compute(O.OpId(i + 1), "compute", "tiny", O.ComputeKind.ELEMENTWISE, 0, 64, 64)
+                     for i in range(n))
+        sched = Schedule.uniform(self.world, Program((), step))
+        ex = RankExecutor(sched, self.rank, self.backend, RankOptions(steps=3, warmup=1))
+        run = ex.run()
+        per_op = statistics.median(run.step_times_ns) / n
+        issue = [r for r in run.records if r.stream != "host"]
+        # issue cost: how fast the host hands ops over (start of the i-th op can be no
+        # earlier than i issues); estimate from the worker's inter-op gaps and span
+        starts = sorted(r.start_ns for r in issue if r.step == 0)
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        issue_ns = int(statistics.median(gaps)) if gaps else 0
+        per_op, issue_f = self.agree_all([per_op, float(issue_ns)])
+        self.log(f"executor: {per_op / 1e3:.1f} us per op, host issue {issue_f / 1e3:.1f} us")
+        return int(issue_f), int(per_op)
+
+    def alloc(self) -> tuple[float, float, list[list[float]]]:
+        """Allocations as the executor makes them (on CPUs: zeroed host memory), in a
+        steady state like a training step's: each round allocates every size in turn,
+        holds them all, then frees them. Returns the latency-bandwidth line and the
+        per-size table. With a caching allocator (GPUs) the cache is emptied between
+        rounds, so each round times cudaMalloc itself (what a cache miss costs): the
+        host's time for the call, with the device idle before it (cudaMalloc waits for
+        it), and no synchronise after it (the allocation queues nothing). With malloc
+        (CPUs) the table matters: glibc reuses heap pages below its mmap threshold (up
+        to 32 MiB) and maps fresh ones above it, so the cost per byte jumps across it;
+        sizes on both sides of 32 MiB are measured."""
+        sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 30 << 20, 34 << 20, 64 << 20]
+        if self.quick:
+            sizes = [4 << 10, 1 << 20, 16 << 20, 34 << 20]
+        if self.platform.caching_allocator:
+            make = (lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
+        else:
+            make = (lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device))
+        rounds = 4 if self.quick else 8
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for r in range(rounds + 1):
+            dist.barrier()
+            live = []
+            for n in sizes:
+                self.sync()  # GPUs: the device idle, as cudaMalloc waits for it
+                t = time.perf_counter()
+                live.append(make(n))
+                if r:  # the first round warms the heap up
+                    times[n].append(time.perf_counter() - t)
+            del live
+            if self.platform.caching_allocator:  # each round's allocations are cudaMalloc calls, not cache hits
+                self.sync()
+                torch.cuda.empty_cache()
+        mean = self.agree_all([statistics.fmean(times[n]) for n in sizes])  # see _together
+        pts = [(float(n), float(t)) for n, t in zip(sizes, mean)]
+        a, bw = latency_bandwidth(pts)
+        self.log("allocation: " + ", ".join(f"{n / 2**20:g} MiB {t * 1e3:.2f} ms" for n, t in pts))
+        return a, 1.0 / bw, [[int(x), y] for x, y in pts]
+
+    def allocator_stats(self) -> dict[str, int] | None:
+        """GPUs: the caching allocator's statistics after the calibration
+        (``torch.cuda.memory_stats``): retries (cache flushes), out-of-memory errors,
+        peak reserved and allocated bytes, cudaMalloc and cudaFree calls. What a run on
+        this device did, recorded with the profile; None on CPUs (malloc keeps none)."""
+        if self.device.type != "cuda":
+            return None
+        stats = torch.cuda.memory_stats(self.device)
+        keys = {"num_alloc_retries": "num_alloc_retries", "num_ooms": "num_ooms",
+                "reserved_bytes.all.peak": "reserved_bytes_peak", "allocated_bytes.all.peak": "allocated_bytes_peak",
+                "num_device_alloc": "num_device_alloc", "num_device_free": "num_device_free"}
+        return {name: int(stats.get(key, 0)) for key, name in keys.items()}
+
+    def first_touch(self) -> float:
+        """Host memory: seconds per byte that a fresh page's first write costs over a
+        write to touched memory, plus its unmap at free. A block above glibc's mmap
+        threshold is fresh pages: ``torch.empty`` costs nothing until it is written,
+        then each page faults and the kernel zeroes it. Frameworks allocate such
+        blocks and write only part of them (DeepSpeed's gradient bucket). Measured
+        as fill(empty(n)) - fill again + free, n = 64 MiB. With a caching allocator
+        (GPUs): 0 (device memory is mapped whole by cudaMalloc)."""
+        if self.platform.caching_allocator:
+            return 0.0
+        n = 64 << 20
+        rounds = 3 if self.quick else 6
+        per_round = []
+        for r in range(rounds + 1):
+            dist.barrier()
+            x = torch.empty(n, dtype=torch.uint8, device=self.device)
+            t0 = time.perf_counter()
+            x.fill_(1)
+            t1 = time.perf_counter()
+            x.fill_(2)
+            t2 = time.perf_counter()
+            del x
+            t3 = time.perf_counter()
+            if r:  # the first round warms the code path up
+                per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n)
+        mean = self.agree(max(0.0, statistics.fmean(per_round)))  # see _together
+        self.log(f"first touch of fresh pages: {mean * 1e9:.3f} ns/B")
+        return mean
