@@ -1,6 +1,7 @@
-"""Calibration's host-side measurements: the executor's own per-op costs, allocation
-cost by size in a step-like steady state, the first touch of fresh host pages, and the
-caching allocator's statistics on GPUs.
+"""Calibration's host-side measurements: on CPUs a framework's launch cost (a PyTorch
+op's dispatch), the executor's own per-op costs, allocation cost by size in a step-like
+steady state, the first touch of fresh host pages, and the caching allocator's
+statistics on GPUs.
 
 A mixin of ``runtime.calibrate.Calibrator``: it uses the calibrator's rank, world,
 backend, platform, device, ``quick``, ``sync``, ``agree`` / ``agree_all`` and ``log``.
