@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,24 +27,14 @@ SHAPES = [(1, 512, 512, 512), (1, 512, 512, 2048), (1, 512, 2048, 512), (32, 128
 MIN_S = 0.5  # each timed batch runs at least this long
 
 
-def _time(fn, min_s: float) -> float:
-    for _ in range(3):
-        fn()
-    n, t = 1, 0.0
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t = time.perf_counter() - t0
-        if t >= min_s:
-            return t / n
-        n = max(n * 2, int(n * min_s / max(t, 1e-6)) + 1)
-
-
 def worker(rank: int, dtype_name: str, barrier, out) -> None:
     import torch
 
     from runtime.kernels import MIN_RING_BYTES, ColdOperands, last_level_cache_bytes
+    from runtime.timing import HostTimer, per_call
+
+    def mean_s(fn) -> float:  # calibrate's own timing: a warm-up call, then one batch of >= MIN_S
+        return per_call(HostTimer(), fn, MIN_S, lambda x: x)
 
     torch.set_num_threads(1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -58,14 +47,14 @@ def worker(rank: int, dtype_name: str, barrier, out) -> None:
         b = torch.randn(batch, k, n).to(dtype)
         c = torch.empty(batch, m, n, dtype=dtype)
         barrier.wait()
-        hot = _time(lambda: torch.bmm(a, b, out=c), MIN_S)
+        hot = mean_s(lambda: torch.bmm(a, b, out=c))
 
         def cold_call() -> None:
             x, y, z = cold.next(key)
             torch.bmm(x, y, out=z)
 
         barrier.wait()
-        cold_s = _time(cold_call, MIN_S)
+        cold_s = mean_s(cold_call)
         rows.append((key, hot, cold_s))
     out.put((rank, rows))
 
