@@ -75,6 +75,7 @@ class Row:
     seq: int = 128
     runner: str = "executor"  # executor | deepspeed | fsdp2 | slow-link | fast-link
     fsdp: dict | None = None  # FSDP2 settings: the row runs real FSDP2 (fsdp2, or over a link)
+    bf16: bool = False  # DeepSpeed rows: bf16 mixed precision (fp32 master weights and optimizer)
 
 
 GRID = [
@@ -96,6 +97,8 @@ GRID = [
     Row("DS small z3 nothing live", "small", 2, {"stage": 3, "stage3_param_persistence_threshold": 0,
                                                  "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
         preset="current", micro=2, runner="deepspeed"),
+    # bf16 on a CPU: GEMMs, and each class of the non-GEMM kernels, in their own dtype
+    Row("DS small z2 bf16", "small", 2, {"stage": 2}, preset="current", micro=2, runner="deepspeed", bf16=True),
     # real DeepSpeed on the two other families (not the model whose hooks calibration
     # times), ZeRO-2 and ZeRO-3 with small buckets: many collectives and bucket flushes
     Row("DS small-gpt2 z2 small buckets", "small-gpt2", 2, {"stage": 2, "reduce_bucket_size": 500000,
@@ -144,7 +147,8 @@ def commsim(*args: str, env: dict | None = None) -> str:
 
 
 def ds_config(row: Row) -> dict:
-    return {"train_micro_batch_size_per_gpu": row.micro, "zero_optimization": row.zero}
+    cfg = {"train_micro_batch_size_per_gpu": row.micro, "zero_optimization": row.zero}
+    return {**cfg, "bf16": {"enabled": True}} if row.bf16 else cfg
 
 
 def row_config(row: Row) -> dict:

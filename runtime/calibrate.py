@@ -29,6 +29,9 @@ Measured:
 * allocation cost by size, in a step-like steady state (heap reuse vs fresh pages;
   cudaMalloc on GPUs, with the caching allocator's statistics), and on CPUs what the
   first write of a fresh page costs;
+* on CPUs, a framework's own memory-bound kernels (add, reduction, LayerNorm, softmax,
+  dropout, embedding; forward and backward) in fp32 and bf16, by size
+  (``runtime.calibrate_classes``);
 * on CPUs, the cores and, with more ranks than cores, the OS time slice; with at most
   one rank per core, how each rank's speed drifts apart from the others'
   (``runtime.calibrate_cpu``).
@@ -56,6 +59,7 @@ import torch.distributed as dist
 from commsim.hardware.platform import KernelExecution, platform_of_backend
 from commsim.ir import ops as O
 from runtime.calibrate_cpu import cache, cpu_cores, rank_noise, time_slice
+from runtime.calibrate_classes import FrameworkKernelMeasurements
 from runtime.calibrate_host import HostMeasurements
 from runtime.calibrate_profile import Measured, device_name, profile_document
 from runtime.collectives import all_gather, reduce_scatter
@@ -99,10 +103,11 @@ def group_sets(world: int, ranks_per_node: int) -> list[GroupSet]:
     return out
 
 
-class Calibrator(HostMeasurements):
+class Calibrator(HostMeasurements, FrameworkKernelMeasurements):
     """One rank's calibration: the benchmarks, each run on every rank at once with the
     executor's own kernels and backend (``run`` runs them all); the host-side ones
-    (executor overheads, allocations, first touch) are ``HostMeasurements``'."""
+    (executor overheads, allocations, first touch) are ``HostMeasurements``', a
+    framework's memory-bound kernels ``FrameworkKernelMeasurements``'."""
 
     def __init__(self, rank: int, world: int, backend: str, quick: bool = False, log: Callable[[str], None] = print,
                  shapes: tuple[tuple[str, int, int, int, int], ...] = (), ranks_per_node: int | None = None,
@@ -432,6 +437,7 @@ class Calibrator(HostMeasurements):
         self.gemm_shapes_round()  # exact shapes: at the start, the middle and the end (not quick)
         mem_a, mem_bw, mem_points = self.memory()
         in_cache = cache(self)
+        classes = self.framework_kernels()
         kernel_ns = self.kernel_overhead_ns()
         copies = self.copies()
         colls = self.collectives()
@@ -457,5 +463,5 @@ class Calibrator(HostMeasurements):
             alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
             first_touch_s_per_byte=first_touch, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise,
             devices=devices, nodes=self.nodes, kernel_overhead_ns=kernel_ns, copies=copies,
-            allocator=allocator, cache=in_cache, host_costs=launches)
+            allocator=allocator, cache=in_cache, host_costs=launches, framework_kernels=classes)
         return profile_document(measured, self.platform, self.device, self.world, self.ranks_per_node)

@@ -52,6 +52,7 @@ class Measured:
     allocator: dict[str, int] | None = None  # GPUs: the caching allocator's statistics
     cache: dict[str, float] | None = None  # CPUs: the last-level cache's "bytes" and in-cache "bytes_per_s"
     host_costs: dict[str, Any] | None = None  # CPUs: a framework's launch costs on this machine (HostCosts fields)
+    framework_kernels: dict[str, Any] | None = None  # CPUs: a framework's memory-bound kernels by class and dtype
 
 
 def profile_document(m: Measured, platform: Platform, device: torch.device, world: int,
@@ -106,6 +107,7 @@ def profile_document(m: Measured, platform: Platform, device: torch.device, worl
         **({"allocator": m.allocator} if m.allocator is not None else {}),
         **({"cache": m.cache} if m.cache is not None else {}),
         **({"host_costs": m.host_costs} if m.host_costs is not None else {}),
+        **({"framework_kernels": m.framework_kernels} if m.framework_kernels is not None else {}),
         "alloc": {"malloc_base_ns": int(m.alloc_latency_s * 1e9), "malloc_ns_per_byte": m.alloc_s_per_byte * 1e9,
                   "free_base_ns": int(m.alloc_latency_s * 1e9), "free_ns_per_byte": 0.0, "points": m.alloc_points,
                   "first_touch_ns_per_byte": m.first_touch_s_per_byte * 1e9},

@@ -3,7 +3,8 @@
 ``build_model(cfg)`` returns an ``nn.Module``: for roberta / bert one whose submodule
 names, parameter registration and forward order mirror ``RobertaForMaskedLM``, so that
 DeepSpeed's ZeRO-3 hooks see the same tree they would see on the Hugging Face model
-without needing ``transformers``; for gpt2 / llama Hugging Face's own
+without needing ``transformers``, and whose dropouts have the config's probabilities
+(Hugging Face's 0.1 by default, which the generators' kernel lists assume); for gpt2 / llama Hugging Face's own
 ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (``transformers`` required).
 Used to run real DeepSpeed on CPUs (fidelity tests, local validation)
 and as an example of the ``module:function`` models that ``commsim.models.torch_walk`` reads.
@@ -21,13 +22,13 @@ from commsim.models.transformer import TransformerConfig
 
 
 class _SelfAttention(nn.Module):
-    def __init__(self, h: int, heads: int):
+    def __init__(self, h: int, heads: int, p: float):
         super().__init__()
         self.heads = heads
         self.query = nn.Linear(h, h)
         self.key = nn.Linear(h, h)
         self.value = nn.Linear(h, h)
-        self.dropout = nn.Dropout(0.0)
+        self.dropout = nn.Dropout(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -43,21 +44,21 @@ class _SelfAttention(nn.Module):
 
 
 class _SelfOutput(nn.Module):
-    def __init__(self, h: int, d_in: int):
+    def __init__(self, h: int, d_in: int, p: float):
         super().__init__()
         self.dense = nn.Linear(d_in, h)
         self.LayerNorm = nn.LayerNorm(h)
-        self.dropout = nn.Dropout(0.0)
+        self.dropout = nn.Dropout(p)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dropout(self.dense(x)) + residual)
 
 
 class _Attention(nn.Module):
-    def __init__(self, h: int, heads: int):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.self = _SelfAttention(h, heads)
-        self.output = _SelfOutput(h, h)
+        self.self = _SelfAttention(cfg.hidden, cfg.heads, cfg.p_attention)
+        self.output = _SelfOutput(cfg.hidden, cfg.hidden, cfg.p_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.self(x), x)
@@ -74,11 +75,11 @@ class _Intermediate(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, h: int, heads: int, ffn: int):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.attention = _Attention(h, heads)
-        self.intermediate = _Intermediate(h, ffn)
-        self.output = _SelfOutput(h, ffn)
+        self.attention = _Attention(cfg)
+        self.intermediate = _Intermediate(cfg.hidden, cfg.ffn)
+        self.output = _SelfOutput(cfg.hidden, cfg.ffn, cfg.p_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.attention(x)
@@ -88,7 +89,7 @@ class _Layer(nn.Module):
 class _Encoder(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.layer = nn.ModuleList(_Layer(cfg.hidden, cfg.heads, cfg.ffn) for _ in range(cfg.layers))
+        self.layer = nn.ModuleList(_Layer(cfg) for _ in range(cfg.layers))
         self.gradient_checkpointing = False
         self.use_reentrant = True
 
@@ -108,7 +109,7 @@ class _Embeddings(nn.Module):
         self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden)
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab, cfg.hidden)
         self.LayerNorm = nn.LayerNorm(cfg.hidden)
-        self.dropout = nn.Dropout(0.0)
+        self.dropout = nn.Dropout(cfg.p_hidden)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) + 2  # RoBERTa's padding offset

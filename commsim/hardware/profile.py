@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from commsim.hardware.framework_kernels import FrameworkKernels
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
 from commsim.hardware.sharing import IDLE, Taken
 from commsim.hardware.platform import DEFAULT_TIME_SLICE_NS, CpuCores, Platform, RankDrift, platform_of_backend
@@ -141,6 +142,12 @@ class HardwareProfile:
     # the last-level cache's size and the memory-bound kernel's rate in it (0: not measured)
     cache_bytes: int = 0
     cache_bytes_per_s: float = 0.0
+    # a framework's own memory-bound kernels by class, direction and dtype (calibrate,
+    # CPUs), priced where the profile prices a framework's run (``framework``), in the
+    # step's ``precision`` (the one this profile was loaded for)
+    framework_kernels: FrameworkKernels | None = None
+    precision: str = "fp32"
+    framework: bool = False
 
     @property
     def groups_measured(self) -> tuple[tuple[str, int], ...]:
@@ -182,9 +189,11 @@ class HardwareProfile:
         where kernels run inline (CPUs) the kernel's fixed cost is the executor's per-op
         time (its loop and the stand-in kernel's Python), of which a framework's op pays
         the launch host op's dispatch only (``host_costs.launch_ns``, a torch op's
-        dispatch timed by calibrate). On GPUs the fixed cost is the device's own and stays."""
+        dispatch timed by calibrate). On GPUs the fixed cost is the device's own and stays.
+        Its memory-bound ops run the framework's own kernels, priced from
+        ``framework_kernels`` by class and dtype where calibrate measured them."""
         inline = self.platform.inline_kernels
-        return replace(self, issue_ns=0, kernel_overhead_ns=0 if inline else self.kernel_overhead_ns)
+        return replace(self, issue_ns=0, kernel_overhead_ns=0 if inline else self.kernel_overhead_ns, framework=True)
 
     @cached_property
     def platform(self) -> Platform:
@@ -242,6 +251,10 @@ class HardwareProfile:
         return op.reuse_bytes if op.working_set_bytes <= self.cache_bytes // max(1, self.ranks_per_node) else 0
 
     def _compute_alone_ns(self, op: O.Compute) -> int:
+        if self.framework and self.framework_kernels is not None:
+            measured = self.framework_kernels.kernel_s(op, self.precision)
+            if measured is not None:  # the framework's own kernel of this class and dtype
+                return self.kernel_overhead_ns + int(measured * 1e9)
         reused = self._reused_in_cache(op)
         mem_s = self._memory_s(op.bytes_read + op.bytes_written - reused)
         if reused:

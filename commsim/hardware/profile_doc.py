@@ -22,6 +22,8 @@ Format (JSON), schema version 2::
      "cache": {"bytes": 33554432, "bytes_per_s": 6e10},  # CPU backends (optional): see below
      "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
      "rank_noise": {"sd": 0.1, "corr_ns": 300000000},  # ranks' speed drift (optional): see below
+     "framework_kernels": {"fp32": {"norm": {"fwd": [[bytes, seconds], ...], "bwd": [...]}, ...},
+                           "bf16": {...}, "source": "..."},  # CPU backends (optional): see below
      "allocator": {"num_alloc_retries": 0, ...},  # GPUs (optional): torch.cuda.memory_stats after calibrating
      "alloc": {"malloc_base_ns": 5000, "malloc_ns_per_byte": 0.0,
                "free_base_ns": 5000, "free_ns_per_byte": 0.0,
@@ -48,6 +50,12 @@ at that rate when the op's ``working_set_bytes`` fit in the rank's share of the 
 (its size over the ranks per node, which share it), the rest of its bytes from the
 table: torch's single-tensor AdamW on CPUs keeps each parameter's arrays in the cache
 across its eight passes. Without ``cache`` every byte is priced from the table.
+
+``framework_kernels``: a framework's own memory-bound ATen kernels (element-wise add,
+row reduction, LayerNorm, softmax, dropout, embedding; forward and backward) timed in
+fp32 and bf16 by size. A prediction of a framework's run (``--runner framework``) prices
+those classes' ops from it in the step's dtype (``commsim.hardware.framework_kernels``);
+the executor's runs keep ``elementwise_points``, which time its stand-in kernel.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from commsim.hardware.framework_kernels import framework_kernels_from_dict
 from commsim.hardware.profile import PLACEMENTS, PROFILE_SCHEMA_VERSION, CollectiveFit, HardwareProfile
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
@@ -154,6 +163,8 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         if "first_touch_ns_per_byte" in alloc else 0.0,
         **_rank_noise(obj.get("rank_noise"), f"{where}: rank_noise"),
         **_cache(obj.get("cache"), f"{where}: cache"),
+        framework_kernels=framework_kernels_from_dict(obj.get("framework_kernels"), where),
+        precision=key or str(obj.get("default_dtype", "fp32")),
     )
 
 

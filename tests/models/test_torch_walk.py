@@ -42,3 +42,21 @@ def test_schedule_from_module_function(tmp_path):
                           "-o", str(tmp_path / "s.json")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert subprocess.run([sys.executable, "-m", "commsim.cli", "validate", str(tmp_path / "s.json")]).returncode == 0
+
+
+def test_the_local_roberta_drops_out_as_the_catalogue_says():
+    """The module real DeepSpeed and FSDP2 train locally launches the dropout kernels the
+    generated step lists: Hugging Face's probabilities (0.1), or the config's own."""
+    import dataclasses
+
+    from torch import nn
+
+    from runtime.torch_models import build_model
+
+    cfg = MODEL_PRESETS["tiny"]
+    drops = [m.p for m in build_model(cfg).modules() if isinstance(m, nn.Dropout)]
+    assert drops and set(drops) == {cfg.p_hidden, cfg.p_attention} == {0.1}
+    off = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.2)
+    by_name = {n: m.p for n, m in build_model(off).named_modules() if isinstance(m, nn.Dropout)}
+    assert by_name["roberta.encoder.layer.0.attention.self.dropout"] == 0.2
+    assert by_name["roberta.embeddings.dropout"] == by_name["roberta.encoder.layer.0.output.dropout"] == 0.0

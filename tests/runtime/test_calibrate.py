@@ -42,6 +42,19 @@ def test_quick_calibration_then_predict(tmp_path):
     # a framework's launch on this CPU: a torch op's dispatch (no cudaLaunchKernel), and
     # a collective's call priced by the backend's call time; the schedule takes them
     assert 0 < obj["host_costs"]["launch_ns"] < 50_000 and obj["host_costs"]["collective_launch_ns"] == 0
+    # a framework's own memory-bound kernels, every class both ways in both dtypes, by size;
+    # a framework's run is priced from them, the executor's from its stand-in kernel
+    fk = obj["framework_kernels"]
+    assert set(fk) == {"fp32", "bf16", "source"}
+    for dtype in ("fp32", "bf16"):
+        assert set(fk[dtype]) == {"elementwise", "reduction", "norm", "softmax", "dropout", "embedding"}
+        for dirs in fk[dtype].values():
+            assert set(dirs) == {"fwd", "bwd"} and all(len(pts) == 2 and pts[0][0] < pts[1][0] for pts in dirs.values())
+    # bf16 moves half the bytes of the same kernel
+    assert fk["bf16"]["softmax"]["fwd"][1][0] * 2 == fk["fp32"]["softmax"]["fwd"][1][0]
+    drop = O.Compute(O.OpId(1), "c", "dropout", O.ComputeKind.DROPOUT, 0, 4 << 20, 5 << 20, phase=O.Phase.FORWARD)
+    assert p.run_by_framework().compute_ns(drop) == int(p.framework_kernels.kernel_s(drop, "fp32") * 1e9)
+    assert p.compute_ns(drop) != p.run_by_framework().compute_ns(drop)
     made = tmp_path / "s2.json"
     out = subprocess.run([sys.executable, "-m", "commsim.cli", "schedule", "--model", "tiny", "--nodes", "1",
                           "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "--hw-profile", str(prof),
