@@ -189,9 +189,19 @@ def measure_deepspeed(row: Row, cfg_path: Path, timings: Path, steps: int) -> fl
     """Real DeepSpeed's median step (its own timer); its phase times stay in ``timings``."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"))
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks),
-         "-m", "runtime.examples.ds_train", "--model", row.model, "--seq", str(row.seq), "--ds-config", str(cfg_path),
-         "--steps", str(steps + DEEPSPEED_WARMUP), "--timings", str(timings)], env=env)
+    timings.unlink(missing_ok=True)
+    try:
+        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks),
+             "-m", "runtime.examples.ds_train", "--model", row.model, "--seq", str(row.seq), "--ds-config",
+             str(cfg_path), "--steps", str(steps + DEEPSPEED_WARMUP), "--timings", str(timings)], env=env)
+    except RuntimeError as e:
+        # ds_train writes its timings after the last step, then tears the job down; a
+        # rank aborting in gloo's teardown ("terminate called without an active
+        # exception") comes after every step was measured, so the run stands
+        if "terminate called without an active exception" not in str(e) or not timings.exists():
+            raise
+        print(f"  ({row.name}: a rank aborted in teardown after its timings were written; the run stands)",
+              file=sys.stderr)
     times = json.loads(timings.read_text())["step_times_s"][DEEPSPEED_WARMUP:]
     return statistics.median(times)
 
