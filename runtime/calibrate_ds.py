@@ -20,18 +20,17 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Two world sizes fit the loops over ranks. The bucket flush's figures are the least
-# stable (a few flushes a step; its per-gradient intercept is small beside 3 us x 64
-# ranks): three calibrations spread 13% / 47% (fixed / per gradient) at (8, 64) and
-# 24% / 36% at (8, 16, 64); every other figure within 10% (traces/README.md). A second,
-# quarter-size bucket (flushes of 1-10 gradients) made it worse: the flush's fixed part
-# grows with the world too (one gradient: 282 us at 8 ranks, 395-440 us at 64), which
-# one intercept for every world cannot fit.
+# Two world sizes fit the loops over ranks, and the part of a bucket flush's fixed cost
+# that grows with the world (one gradient's flush: 282 us at 8 ranks, 395-440 us at 64).
+# The flush's figures are the least stable (a few flushes a step; its per-gradient
+# intercept is small beside 3 us x 64 ranks): traces/README.md has three calibrations'
+# spread; every other figure agreed within 10%. A second, quarter-size bucket (flushes
+# of 1-10 gradients) made them worse.
 WORLDS = (8, 64)
 # the DeepSpeed routines' fields of HostCosts (launches come from calibrate itself)
 FIELDS = ("module_hook_ns", "fetch_param_ns", "gather_param_ns", "gather_param_rank_ns", "wait_param_ns",
           "wait_param_rank_ns", "release_hook_ns", "release_param_ns", "free_param_ns", "grad_hook_ns",
-          "reduce_flush_ns", "reduce_param_ns", "reduce_param_rank_ns")
+          "reduce_flush_ns", "reduce_flush_rank_ns", "reduce_param_ns", "reduce_param_rank_ns")
 
 
 def measure_host_costs(nproc: int, profile: str, log=print) -> dict:

@@ -198,20 +198,27 @@ def derive(paths: list[str]) -> dict[str, dict[str, int]]:
     for version in sorted({d["deepspeed"] for d in docs}):
         ds = [d for d in docs if d["deepspeed"] == version]
 
-        def joint(routine, features, per_rank=()):
+        def joint(routine, features, per_rank=(), rank=False):
+            """``per_rank``: features whose cost also grows with the world (a loop over
+            ranks per item); ``rank``: a part of the fixed cost that does (``per_rank_ns``)."""
             calls = []
             for d in ds:
                 for t, c in d["calls"].get(routine, []):
                     c = dict(c)
                     for f in per_rank:
                         c[f"{f}_x_rank"] = c.get(f, 0) * d["world"]
+                    if rank:
+                        c["rank"] = d["world"]
                     calls.append((t, c))
-            return fit(calls, list(features) + [f"{f}_x_rank" for f in per_rank])
+            return fit(calls, list(features) + [f"{f}_x_rank" for f in per_rank] + (["rank"] if rank else []))
 
         fetch = joint("fetch", ["param", "gathered", "waited"], per_rank=("gathered", "waited"))
         release = joint("release", ["param", "freed"])
         grad = joint("grad_hook", [])
-        flush = joint("flush", ["grad"], per_rank=("grad",))
+        # a flush's fixed part grows with the world too (its partition bookkeeping loops
+        # over the ranks once per flush): one gradient's flush 282 us at 8 ranks, 395-440 us
+        # at 64 in three calibrations
+        flush = joint("flush", ["grad"], per_rank=("grad",), rank=True)
         debug = next((d["debug_string_ns"] for d in ds if d.get("debug_string_ns")), 0)
         small = [d for d in ds if d["world"] == min(x["world"] for x in ds)][0]
         prim = small["primitives"]
@@ -233,6 +240,7 @@ def derive(paths: list[str]) -> dict[str, dict[str, int]]:
             "free_param_ns": scaled(release["per_freed_ns"]),
             "grad_hook_ns": scaled(grad["fixed_ns"]),
             "reduce_flush_ns": scaled(flush["fixed_ns"]),
+            "reduce_flush_rank_ns": scaled(flush["per_rank_ns"]),
             "reduce_param_ns": scaled(flush["per_grad_ns"]),
             "reduce_param_rank_ns": scaled(flush["per_grad_x_rank_ns"]),
             "debug_string_ns": scaled(debug),

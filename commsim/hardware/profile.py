@@ -87,8 +87,9 @@ def _piecewise(pts: tuple[tuple[float, float], ...], x: float) -> float:
 
 
 # glibc malloc.c DEFAULT_MMAP_THRESHOLD_MAX (4 MiB * sizeof(long): 32 MiB on 64-bit):
-# the dynamic mmap threshold never exceeds it, so larger blocks are always mmapped,
-# fresh pages (calibrate's allocation table shows the jump across it).
+# the dynamic mmap threshold never exceeds it, so blocks of it and more (their chunk, with
+# its header, exceeds it) are always mmapped, fresh pages (calibrate's allocation table
+# shows the jump across it).
 GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
 
 
@@ -170,8 +171,9 @@ class HardwareProfile:
         if len(pts) < 2:  # the line, over the bytes that get written
             return self.malloc_base_ns + int(self.malloc_ns_per_byte * (touch_bytes if partial else size_bytes))
         (x_lo, y_lo), (x_hi, y_hi) = pts[0], pts[-1]
+        mmapped = size_bytes >= GLIBC_MMAP_THRESHOLD_MAX_BYTES
         if partial:
-            if size_bytes <= GLIBC_MMAP_THRESHOLD_MAX_BYTES:
+            if not mmapped:
                 return int(y_lo * 1e9)
             per_byte = self.first_touch_ns_per_byte or y_hi / x_hi * 1e9
             return int(y_lo * 1e9 + per_byte * touch_bytes)
@@ -179,7 +181,12 @@ class HardwareProfile:
             return int(y_hi * size_bytes / x_hi * 1e9)
         if size_bytes < x_lo:  # below the smallest: a fixed cost dominates there
             return int(y_lo * 1e9)
-        return max(0, int(_piecewise(pts, size_bytes) * 1e9))
+        # within one regime (heap or mmap) only: a line between a heap size and an mmapped
+        # one prices a block that is either as neither
+        side = tuple(p for p in pts if (p[0] >= GLIBC_MMAP_THRESHOLD_MAX_BYTES) == mmapped)
+        if len(side) == 1:
+            return int(side[0][1] * size_bytes / side[0][0] * 1e9)
+        return max(0, int(_piecewise(side if side else pts, size_bytes) * 1e9))
 
     def run_by_framework(self) -> "HardwareProfile":
         """This profile pricing a framework's run of a schedule instead of commsim's

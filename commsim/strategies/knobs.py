@@ -174,9 +174,11 @@ class HostCosts:
     free_param_ns: int = 41_600
     # The per-parameter gradient hook (bucket bookkeeping, the copy call).
     grad_hook_ns: int = 23_300
-    # A bucket flush: fixed, and per gradient in it (its loops over the ranks).
-    reduce_flush_ns: int = 246_400
-    reduce_param_ns: int = 14_200
+    # A bucket flush: fixed, per rank (its partition bookkeeping), and per gradient in
+    # it (its loops over the ranks).
+    reduce_flush_ns: int = 215_100
+    reduce_flush_rank_ns: int = 900
+    reduce_param_ns: int = 15_600
     reduce_param_rank_ns: int = 2_900
     # Formatting one 0.5.10 debug string around a tensor op's result, beyond the op's
     # launch and the host sync its .item() forces (debug_string_ops).
@@ -202,7 +204,8 @@ class HostCosts:
         return n_params * (self.wait_param_ns + self.wait_param_rank_ns * ranks)
 
     def flush_ns(self, n_grads: int, ranks: int) -> int:
-        return self.reduce_flush_ns + n_grads * (self.reduce_param_ns + self.reduce_param_rank_ns * ranks)
+        return self.reduce_flush_ns + self.reduce_flush_rank_ns * ranks + \
+            n_grads * (self.reduce_param_ns + self.reduce_param_rank_ns * ranks)
 
 
 # DeepSpeed release -> its host costs: traces/host-costs/derived.json, fitted by
@@ -220,11 +223,12 @@ HOST_COSTS: dict[str, HostCosts] = {
     "0.6.0": HostCosts(module_hook_ns=35_900, fetch_param_ns=1_800, gather_param_ns=44_100,
                        gather_param_rank_ns=200, wait_param_ns=33_400, wait_param_rank_ns=1_200,
                        release_hook_ns=13_900, release_param_ns=1_500, free_param_ns=40_800, grad_hook_ns=26_000,
-                       reduce_flush_ns=0, reduce_param_ns=23_600, reduce_param_rank_ns=3_400),
+                       reduce_flush_ns=0, reduce_flush_rank_ns=0, reduce_param_ns=23_600,
+                       reduce_param_rank_ns=3_400),
     "0.5.10": HostCosts(module_hook_ns=16_400, fetch_param_ns=7_500, gather_param_ns=38_200, gather_param_rank_ns=0,
                         wait_param_ns=0, wait_param_rank_ns=0, release_hook_ns=4_900, release_param_ns=5_200,
-                        free_param_ns=20_600, grad_hook_ns=16_400, reduce_flush_ns=428_400, reduce_param_ns=8_000,
-                        reduce_param_rank_ns=2_100, debug_string_ns=3_500),
+                        free_param_ns=20_600, grad_hook_ns=16_400, reduce_flush_ns=400_300, reduce_flush_rank_ns=800,
+                        reduce_param_ns=9_300, reduce_param_rank_ns=2_100, debug_string_ns=3_500),
 }
 
 

@@ -238,6 +238,12 @@ def test_profile_rank_drift(tmp_path):
         load_profile(path)
 
 
+def load_profile_from(tmp_path, points):
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": points}}))
+    return load_profile(path)
+
+
 def test_profile_host_allocations_by_measured_size(tmp_path):
     """Below glibc's mmap threshold a host allocation reuses heap pages; above it, fresh
     pages: the measured table is interpolated by size, not one line through both."""
@@ -248,7 +254,11 @@ def test_profile_host_allocations_by_measured_size(tmp_path):
     p = load_profile(path)
     assert p.host_malloc_ns(1 << 20) == 100_000
     assert p.host_malloc_ns(4 << 20) == int((1e-4 + (3e-3 - 1e-4) * 3 / 29) * 1e9)
-    assert p.host_malloc_ns(32 << 20) == int((3e-3 + (2e-2 - 3e-3) / 2) * 1e9)
+    # each regime from its own sizes, never a line between a heap size and an mmapped one:
+    # 31 MiB from the heap (the heap's segment extended), 32 MiB mmapped (the mmap's)
+    assert p.host_malloc_ns(31 << 20) == int((3e-3 + (3e-3 - 1e-4) / 29) * 1e9)
+    assert p.host_malloc_ns(32 << 20) == int((2e-2 - (4e-2 - 2e-2) * 2 / 30) * 1e9)
+    assert p.host_malloc_ns(48 << 20) == int((2e-2 + 2e-2 * 14 / 30) * 1e9)
     assert p.host_malloc_ns(128 << 20) == int(4e-2 * 2 * 1e9)  # beyond: the largest size's cost per byte
     assert p.host_malloc_ns(1 << 10) == int(1e-4 * 1e9)  # below: the smallest's cost
     # a block of which only part is ever written (torch.empty, then partly filled):
@@ -256,6 +266,9 @@ def test_profile_host_allocations_by_measured_size(tmp_path):
     # (the largest size's cost per byte until calibrate measured the first touch)
     assert p.host_malloc_ns(2 << 30, touch_bytes=10 << 20) == int(1e-4 * 1e9 + 4e-2 / (64 << 20) * 1e9 * (10 << 20))
     assert p.host_malloc_ns(16 << 20, touch_bytes=1 << 20) == 100_000  # heap pages: the fixed cost only
+    # one measured size in a regime: its cost per byte
+    one = load_profile_from(tmp_path, [[1 << 20, 1e-4], [30 << 20, 3e-3], [64 << 20, 4e-2]])
+    assert one.host_malloc_ns(40 << 20) == int(4e-2 * 40 / 64 * 1e9)
     assert p.host_malloc_ns(64 << 20, touch_bytes=64 << 20) == p.host_malloc_ns(64 << 20)  # all of it: the table
     path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": points,
                                                      "first_touch_ns_per_byte": 0.5}}))
