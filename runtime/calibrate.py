@@ -437,7 +437,6 @@ class Calibrator(HostMeasurements, FrameworkKernelMeasurements):
         self.gemm_shapes_round()  # exact shapes: at the start, the middle and the end (not quick)
         mem_a, mem_bw, mem_points = self.memory()
         in_cache = cache(self)
-        classes = self.framework_kernels()
         kernel_ns = self.kernel_overhead_ns()
         copies = self.copies()
         colls = self.collectives()
@@ -455,6 +454,9 @@ class Calibrator(HostMeasurements, FrameworkKernelMeasurements):
         slice_ns = time_slice(self, cores)
         noise = rank_noise(self, cores)
         allocator = self.allocator_stats()
+        # last: its operand rings (hundreds of MB, allocated and freed per kernel class)
+        # would change the heap that the allocation benchmarks above see
+        classes = self.framework_kernels()
         self.log(f"calibration took {time.perf_counter() - t0:.0f} s")
         measured = Measured(
             gemm_by_dtype=gemm_by_dtype, gemm_shapes_by_dtype=shapes, mem_latency_s=mem_a, mem_bytes_per_s=mem_bw,
