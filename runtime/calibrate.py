@@ -48,7 +48,6 @@ allocated and kernels waited for, follows the backend's platform
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -60,11 +59,12 @@ from commsim.hardware.platform import KernelExecution, platform_of_backend
 from commsim.ir import ops as O
 from runtime.calibrate_cpu import cache, cpu_cores, rank_noise, time_slice
 from runtime.calibrate_classes import FrameworkKernelMeasurements
+from runtime.calibrate_contention import ContentionMeasurements
 from runtime.calibrate_host import HostMeasurements
 from runtime.calibrate_profile import Measured, device_name, profile_document
 from runtime.collectives import all_gather, reduce_scatter
 from runtime.kernels import Kernels, PinnedCopies, default_precision, device_of
-from runtime.timing import CudaTimer, HostTimer, latency_bandwidth, mutual_slowdown, per_call
+from runtime.timing import CudaTimer, HostTimer, latency_bandwidth, per_call
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
@@ -103,10 +103,11 @@ def group_sets(world: int, ranks_per_node: int) -> list[GroupSet]:
     return out
 
 
-class Calibrator(HostMeasurements, FrameworkKernelMeasurements):
+class Calibrator(HostMeasurements, ContentionMeasurements, FrameworkKernelMeasurements):
     """One rank's calibration: the benchmarks, each run on every rank at once with the
     executor's own kernels and backend (``run`` runs them all); the host-side ones
-    (executor overheads, allocations, first touch) are ``HostMeasurements``', a
+    (executor overheads, allocations, first touch) are ``HostMeasurements``', the
+    contention between compute and collectives ``ContentionMeasurements``', a
     framework's memory-bound kernels ``FrameworkKernelMeasurements``'."""
 
     def __init__(self, rank: int, world: int, backend: str, quick: bool = False, log: Callable[[str], None] = print,
@@ -339,87 +340,6 @@ class Calibrator(HostMeasurements, FrameworkKernelMeasurements):
                 self.log(f"{kind} over {gs.size} ranks {where} ({len(gs.groups)} group(s) at once): "
                          f"{a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")
         return {k: v for k, v in out.items() if v}
-
-    def contention(self) -> tuple[float, float, float]:
-        """(compute slowdown while a collective runs, collective bandwidth slowdown while
-        compute runs, collective latency slowdown while compute runs).
-
-        Twice: a 4 MiB all-reduce, whose time is mostly bandwidth, and a 64 KiB
-        all-gather, whose time is mostly latency. With one rank there is no collective
-        to overlap: 1 (no slowdown) for all three."""
-        if self.world < 2:
-            self.log("contention: not measured (one rank: no collective to overlap)")
-            return 1.0, 1.0, 1.0
-        n = 256 if self.quick else 384
-        if self.queued:
-            n = 2048 if self.quick else 4096  # a GEMM that keeps a GPU busy for a while
-        op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * n ** 3 * 4, 0, 0, O.GemmShape(n, n, n, 4))
-        compute_alone = self._together(lambda: self.kernels.run(op))
-        under = self._overlapped if self.queued else self._under_compute
-        slow_c, slow_n = under(op, compute_alone, self._collective("all_reduce", 4 << 20))
-        _, slow_lat = under(op, compute_alone, self._collective("all_gather", 64 << 10))
-        self.kernels.operands.clear()
-        self.log(f"contention: compute x{slow_c:.2f} while communicating, communication x{slow_n:.2f} "
-                 f"(bandwidth) and x{slow_lat:.2f} (latency) while computing")
-        return slow_c, slow_n, slow_lat
-
-    def _overlapped(self, op: O.Compute, compute_alone: float, comm: Callable[[], Any]) -> tuple[float, float]:
-        """GPUs: (compute slowdown, collective slowdown), each side timed by CUDA events
-        on its own stream while the other side's calls run on theirs, both released at
-        the same moment (``CudaTimer.beside``): real overlap on the device, in each
-        direction separately (``runtime.timing.mutual_slowdown``)."""
-        comm_alone = self._together(comm, self.comm_timer)
-
-        def gemm() -> None:
-            self.kernels.run(op)
-
-        def compute_beside(n: int, nb: int) -> float:
-            dist.barrier()
-            return self.timer.beside(gemm, n, self.comm_timer, comm, nb)
-
-        def comm_beside(n: int, nb: int) -> float:
-            dist.barrier()
-            return self.comm_timer.beside(comm, n, self.timer, gemm, nb)
-
-        return mutual_slowdown(compute_alone, comm_alone, self.min_s, compute_beside, comm_beside, self.agree)
-
-    def _under_compute(self, op: O.Compute, compute_alone: float, comm: Callable[[], Any]) -> tuple[float, float]:
-        """CPUs: (compute slowdown, collective slowdown) with ``comm`` in a background
-        thread, as gloo's collectives block the thread that calls them.
-
-        A fixed number of collectives run in the background (the same count on every
-        rank, so none is left waiting) while the foreground runs matmuls until they are
-        done; each side's rate is compared with its rate alone. The collective's own
-        thread then competes for the core with the rank's kernels, and a small
-        collective waits for the scheduler at every message of its protocol, so its
-        latency suffers more than a large one's bandwidth."""
-        comm_alone = self._together(comm)
-        budget = 0.1 if self.quick else 0.3
-        reps = max(3 if self.quick else 4, int(budget / max(comm_alone, 1e-6)))
-        done = threading.Event()
-        comm_elapsed = [0.0]
-
-        def background() -> None:
-            t = time.perf_counter()
-            for _ in range(reps):
-                comm()
-            comm_elapsed[0] = time.perf_counter() - t
-            done.set()
-
-        dist.barrier()
-        th = threading.Thread(target=background, daemon=True)
-        t = time.perf_counter()
-        th.start()
-        count = 0
-        while not done.is_set():
-            self.kernels.run(op)
-            count += 1
-        fg = time.perf_counter() - t
-        th.join()
-        compute_busy = fg / max(count, 1)
-        comm_busy = comm_elapsed[0] / reps
-        slow = self.agree_all([compute_busy / compute_alone, comm_busy / comm_alone])
-        return max(1.0, slow[0]), max(1.0, slow[1])
 
     def devices(self) -> list[str]:
         """Every rank's device name, each once, in order of first appearance."""
