@@ -104,6 +104,8 @@ def _profile_sources(prof: Any, path: str, sc: Scenario, schedule: Schedule, clu
     fields = ["GEMMs by size" + (" and exact shape" if prof.gemm_shapes else ""), "memory-bound kernels",
               "copies", f"collectives (groups measured: {groups})", "compute/communication contention",
               *(["executor overheads (--runner executor)"] if sc.runner == "executor" else []),
+              *([f"a framework's memory-bound kernels by class ({prof.precision})"]
+                if sc.runner == "framework" and prof.framework_kernels is not None else []),
               "allocation costs", f"memory size ({prof.hbm_bytes / 1e9:.1f} GB)"]
     if prof.cpu_cores:
         fields.append(f"CPU cores ({prof.cpu_cores})" + (", OS time slice" if prof.time_slice_ns else ""))

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from commsim.hardware.framework_kernels import KINDS as PRICED
 from runtime.kernels import MIN_RING_BYTES, last_level_cache_bytes
 
 WIDTH = 1024  # the row width of the row-wise kernels (a hidden size)
@@ -76,7 +77,7 @@ def _operands(kind: str, rows: int, dtype: torch.dtype, device: torch.device) ->
     raise AssertionError(f"no kernel for {kind}")
 
 
-KINDS = ("elementwise", "reduction", "norm", "softmax", "dropout", "embedding")
+KINDS = tuple(PRICED)  # every class the cost model prices from the table
 
 
 class FrameworkKernelMeasurements:

@@ -22,10 +22,10 @@ dtype it lacks are priced as before.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Any
 
+from commsim.hardware.profile import piecewise
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 
@@ -42,9 +42,6 @@ class FrameworkKernels:
     tables: dict[tuple[str, O.ComputeKind, str], Points]
     source: str = ""
 
-    def dtypes(self) -> tuple[str, ...]:
-        return tuple(sorted({d for d, _, _ in self.tables}))
-
     def kernel_s(self, op: O.Compute, precision: str) -> float | None:
         """Seconds of ``op``'s kernel in a framework's run of a ``precision`` step; None
         where the table has no class, direction or dtype for it."""
@@ -52,10 +49,7 @@ class FrameworkKernels:
         pts = self.tables.get((dtype, op.kind, "bwd" if op.phase is O.Phase.BACKWARD else "fwd"))
         if pts is None:
             return None
-        nbytes = float(op.bytes_read + op.bytes_written)
-        i = min(max(bisect.bisect_left([x for x, _ in pts], nbytes), 1), len(pts) - 1)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        return max(0.0, y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0) - pts[0][1])
+        return max(0.0, piecewise(pts, float(op.bytes_read + op.bytes_written)) - pts[0][1])
 
 
 def framework_kernels_from_dict(obj: Any, where: str) -> FrameworkKernels | None:

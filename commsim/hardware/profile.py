@@ -39,13 +39,16 @@ import bisect
 import math
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-from commsim.hardware.framework_kernels import FrameworkKernels
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
 from commsim.hardware.sharing import IDLE, Taken
 from commsim.hardware.platform import DEFAULT_TIME_SLICE_NS, CpuCores, Platform, RankDrift, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
+
+if TYPE_CHECKING:  # framework_kernels prices with this module's piecewise()
+    from commsim.hardware.framework_kernels import FrameworkKernels
 
 PROFILE_SCHEMA_VERSION = 2
 INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
@@ -68,17 +71,17 @@ class CollectiveFit:
             return 0.0
         if len(self.call_points) < 2:
             return self.call_points[0][1]
-        return max(0.0, _piecewise(self.call_points, size_bytes))
+        return max(0.0, piecewise(self.call_points, size_bytes))
 
     def seconds(self, size_bytes: float) -> float:
         """Transfer time beyond the latency: piecewise linear between measured sizes,
         the last segment's slope beyond them; the latency-bandwidth fit without points."""
         if len(self.points) < 2:
             return size_bytes / self.bytes_per_s
-        return max(0.0, _piecewise(self.points, size_bytes) - self.points[0][1])
+        return max(0.0, piecewise(self.points, size_bytes) - self.points[0][1])
 
 
-def _piecewise(pts: tuple[tuple[float, float], ...], x: float) -> float:
+def piecewise(pts: tuple[tuple[float, float], ...], x: float) -> float:
     """Linear between the measured (x, y) points (ascending, at least two); the first or
     last segment extended beyond them."""
     i = min(max(bisect.bisect_left([p for p, _ in pts], x), 1), len(pts) - 1)
@@ -186,7 +189,7 @@ class HardwareProfile:
         side = tuple(p for p in pts if (p[0] >= GLIBC_MMAP_THRESHOLD_MAX_BYTES) == mmapped)
         if len(side) == 1:
             return int(side[0][1] * size_bytes / side[0][0] * 1e9)
-        return max(0, int(_piecewise(side if side else pts, size_bytes) * 1e9))
+        return max(0, int(piecewise(side if side else pts, size_bytes) * 1e9))
 
     def run_by_framework(self) -> "HardwareProfile":
         """This profile pricing a framework's run of a schedule instead of commsim's
@@ -236,7 +239,7 @@ class HardwareProfile:
         pts = self.elementwise_points
         if len(pts) < 2:
             return nbytes / self.elementwise_bytes_per_s
-        return max(0.0, _piecewise(pts, nbytes) - pts[0][1])
+        return max(0.0, piecewise(pts, nbytes) - pts[0][1])
 
     # interference is priced by the measured factors (comm_slowdown, ...), not by sharing
     gpu_resources = None
