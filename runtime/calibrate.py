@@ -20,8 +20,10 @@ Measured:
   another (gloo's reduce-scatter, for one, costs an all-reduce), per group size and
   placement: the whole job, and when it spans nodes also every node's ranks together
   (inside a node) and one rank of each node (across nodes), all groups of a kind at once;
-  on CPU backends also how long each call holds the calling thread before it returns
-  (``call_points``: gloo's reduce-scatter does about half its work on the caller's thread);
+  on CPU backends timed as a step issues them (followed by compute on every rank), and
+  also how long each call holds the calling thread before it returns (``call_points``:
+  gloo's reduce-scatter does about half its work on the caller's thread); see
+  ``runtime.calibrate_collectives``;
 * how much slower compute runs while a collective is in flight, and the reverse (a
   collective's bandwidth and its latency separately): on GPUs with the kernels and the
   collectives on two streams of their own, overlapping on the device;
@@ -49,7 +51,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -59,53 +60,17 @@ from commsim.hardware.platform import KernelExecution, platform_of_backend
 from commsim.ir import ops as O
 from runtime.calibrate_cpu import cache, cpu_cores, rank_noise, time_slice
 from runtime.calibrate_classes import FrameworkKernelMeasurements
+from runtime.calibrate_collectives import CollectiveMeasurements
 from runtime.calibrate_contention import ContentionMeasurements
 from runtime.calibrate_host import HostMeasurements
 from runtime.calibrate_profile import Measured, device_name, profile_document
-from runtime.collectives import all_gather, reduce_scatter
 from runtime.kernels import Kernels, PinnedCopies, default_precision, device_of
 from runtime.timing import CudaTimer, HostTimer, latency_bandwidth, per_call
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
-
-
-@dataclass(frozen=True)
-class GroupSet:
-    """Groups of one size and placement, measured all at once (as a step runs them:
-    every node's ranks gather inside their node at the same time)."""
-
-    placement: str  # INTRA_NODE or INTER_NODE
-    size: int
-    groups: tuple[tuple[int, ...], ...]
-
-
-def group_sets(world: int, ranks_per_node: int) -> list[GroupSet]:
-    """The process groups a calibration measures, with ranks placed on nodes in blocks
-    (rank r on node r // ranks_per_node, as torchrun and srun's default distribution
-    place them). One node: the whole job. Several: the whole job (across nodes), every
-    node's ranks (inside a node) and one rank of each node (across nodes), so that the
-    profile prices a hierarchical schedule's groups from measurements of their own
-    placement. A single rank has no collective to measure."""
-    if world < 2:
-        return []
-    nodes = -(-world // ranks_per_node)
-    everyone = (tuple(range(world)),)
-    if nodes == 1:
-        return [GroupSet(INTRA_NODE, world, everyone)]
-    out = [GroupSet(INTER_NODE, world, everyone)]
-    if ranks_per_node >= 2:
-        node_groups = tuple(tuple(range(n * ranks_per_node, min(world, (n + 1) * ranks_per_node)))
-                            for n in range(nodes))
-        out.append(GroupSet(INTRA_NODE, ranks_per_node, node_groups))
-        cross = tuple(tuple(r for r in range(j, world, ranks_per_node)) for j in range(ranks_per_node))
-        out.append(GroupSet(INTER_NODE, nodes, cross))
-    return out
-
-
-class Calibrator(HostMeasurements, ContentionMeasurements, FrameworkKernelMeasurements):
+class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurements, FrameworkKernelMeasurements):
     """One rank's calibration: the benchmarks, each run on every rank at once with the
-    executor's own kernels and backend (``run`` runs them all); the host-side ones
+    executor's own kernels and backend (``run`` runs them all); the collectives are
+    ``CollectiveMeasurements``', the host-side ones
     (executor overheads, allocations, first touch) are ``HostMeasurements``', the
     contention between compute and collectives ``ContentionMeasurements``', a
     framework's memory-bound kernels ``FrameworkKernelMeasurements``'."""
@@ -282,64 +247,6 @@ class Calibrator(HostMeasurements, ContentionMeasurements, FrameworkKernelMeasur
         del copies
         self.sync()
         return out
-
-    # ------------------------------------------------------------ collectives
-    def _collective(self, kind: str, nbytes: int, group: Any = None, p: int | None = None,
-                    async_op: bool = False) -> Callable[[], Any]:
-        p = p or self.world
-        n = max(p, nbytes // 4 // p * p)
-        buf = torch.ones(n, dtype=torch.float32, device=self.device)
-        shard = torch.ones(n // p, dtype=torch.float32, device=self.device)
-        if kind == "all_gather":
-            return lambda: all_gather(buf, shard, group=group, async_op=async_op)
-        if kind == "reduce_scatter":
-            return lambda: reduce_scatter(shard, buf, group=group, async_op=async_op)
-        if kind == "all_reduce":
-            return lambda: dist.all_reduce(buf, group=group, async_op=async_op)
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        return lambda: dist.broadcast(buf, src=src, group=group, async_op=async_op)
-
-    def _call_s(self, kind: str, nbytes: int, group: Any, p: int) -> float:
-        """Seconds the backend's call holds the calling thread (async_op=True, until it
-        returns), the mean over a batch; the collective is then waited for. gloo does part
-        of some collectives on the caller's thread (its reduce-scatter: about half)."""
-        start = self._collective(kind, nbytes, group, p, async_op=True)
-        held: list[float] = []
-
-        def call() -> None:
-            t = time.perf_counter()
-            work = start()
-            held.append(time.perf_counter() - t)
-            work.wait()
-
-        self._together(call, self.comm_timer)
-        return self.agree(statistics.fmean(held[1:] or held))  # (the first call is the warm-up)
-
-    def collectives(self) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
-        """kind -> placement -> group size -> fit, for every group set (``group_sets``)."""
-        sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20] + ([] if self.quick else [16 << 20, 64 << 20])
-        out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {kind: {} for kind in KINDS}
-        for gs in group_sets(self.world, self.ranks_per_node):
-            group = None
-            if gs.size < self.world:
-                # every rank creates every group, in the same order (new_group's rule)
-                for ranks in gs.groups:
-                    pg = dist.new_group(list(ranks))
-                    if self.rank in ranks:
-                        group = pg
-            for kind in KINDS:
-                pts = [(float(s), self._together(self._collective(kind, s, group, gs.size), self.comm_timer))
-                       for s in sizes]
-                a, bw = latency_bandwidth(pts)
-                fit = out[kind].setdefault(gs.placement, {})[str(gs.size)] = {
-                    "latency_ns": int(a * 1e9), "bytes_per_s": bw, "points": [[int(x), y] for x, y in pts],
-                    "concurrent_groups": len(gs.groups)}
-                if not self.queued:  # CPU backends: the call may hold the host thread (a GPU's call only enqueues)
-                    fit["call_points"] = [[int(s), self._call_s(kind, s, group, gs.size)] for s in sizes]
-                where = "inside a node" if gs.placement == INTRA_NODE else "across nodes"
-                self.log(f"{kind} over {gs.size} ranks {where} ({len(gs.groups)} group(s) at once): "
-                         f"{a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")
-        return {k: v for k, v in out.items() if v}
 
     def devices(self) -> list[str]:
         """Every rank's device name, each once, in order of first appearance."""
