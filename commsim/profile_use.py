@@ -102,7 +102,10 @@ def _profile_sources(prof: Any, path: str, sc: Scenario, schedule: Schedule, clu
     groups = ", ".join(f"{size} {'inside a node' if place == 'intra_node' else 'across nodes'}"
                        for place, size in prof.groups_measured) or "none (one rank)"
     fields = ["GEMMs by size" + (" and exact shape" if prof.gemm_shapes else ""), "memory-bound kernels",
-              "copies", f"collectives (groups measured: {groups})", "compute/communication contention",
+              "copies", f"collectives (groups measured: {groups})",
+              *(["collectives' stall when compute follows them"]
+                if any(f.in_step_points for fits in prof.collectives.values() for f in fits.values()) else []),
+              "compute/communication contention",
               *(["executor overheads (--runner executor)"] if sc.runner == "executor" else []),
               *([f"a framework's memory-bound kernels by class ({prof.precision})"]
                 if sc.runner == "framework" and prof.framework_kernels is not None else []),

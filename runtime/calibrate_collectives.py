@@ -6,27 +6,26 @@ ranks together (inside a node) and one rank of each node (across nodes), all gro
 a set at once, as a step runs them. Latency and bandwidth come from a fit of time over
 bytes; the cost model interpolates the measured points.
 
-How a collective is timed follows the backend's platform:
+Every backend: ``points``, a batch of back-to-back calls (``runtime.timing.per_call``;
+CUDA events around the batch on the communication stream on GPUs), what a collective
+followed by another costs.
 
-* GPUs (kernels queued): CUDA events around a batch of back-to-back calls on the
-  communication stream (``runtime.timing.per_call``): the device runs them as a step's
-  stream does.
-* CPUs (kernels on the host thread): **as a step issues them** (``_in_step``). Each call
-  starts together on every rank (after a barrier), is issued asynchronously and waited
-  for, as the executor and the frameworks do, and is followed by compute on every rank
-  (``STEP_AFTER_S`` of matmuls), as a layer's kernels follow its gather. Its time is from
-  the last member's call to the last member's completion, the mean over many calls.
-  Why not back-to-back calls: on a CPU a collective's completion rides on the ranks'
-  threads and the kernel's network stack, and a rank that computes right after its own
-  part is done keeps its core; now and then a member's completion then waits about a
-  scheduler tick (4 ms at HZ=250) for it. Back-to-back calls rarely meet that; a step's
-  collectives often do. Measured on the 2-core development VM (gloo, 2 ranks; traces/
-  README.md, "Collectives as a step issues them"): a 1 MiB all-gather 0.87-1.39 ms
-  back to back against 1.5-2.2 ms followed by compute, a quarter of the calls taking
-  2-5 ms; in the executor's steps the same all-gather took 2.1-2.3 ms from the last
-  member's call to the last completion.
-  The mean keeps those stalls at the rate a step meets them; the mean, not the median,
-  because a step pays every one.
+CPU backends (kernels on the host thread) also: ``in_step_points``, each collective
+**as a step issues it** (``_in_step``): started together on every rank (after a
+barrier), issued asynchronously and waited for, as the executor and the frameworks do,
+then followed by compute on every rank (``STEP_AFTER_S`` of matmuls), as a layer's
+kernels follow its gather; its time is from the last member's call to the last
+member's completion, the mean over many calls. On a CPU a collective's completion
+rides on the ranks' threads and the kernel's network stack; followed by compute, now
+and then a completion waits about a scheduler tick (4 ms at HZ=250). Back-to-back calls
+rarely meet that; a layer's gather, followed by its GEMMs, often does. Measured on the
+2-core development VM (gloo, 2 ranks; traces/README.md, "Collectives as a step issues
+them"): a 4 KiB all-gather 0.28 ms followed by nothing against 0.9-1.9 ms followed by
+0.5-10 ms of matmuls (16-52% of the calls stalling 2.7-4.6 ms); in the executor's steps
+1 MiB all-gathers took 2.1-2.3 ms from the last member's call to the last completion
+against 1.5 ms back to back. The mean, not the median, because a step pays every
+stall. The simulator adds the difference between the two tables to a collective whose
+rank computes next (``commsim.sim.cpu_rank.followed_by_compute``).
 
 Also on CPUs: how long each call holds the calling thread before it returns
 (``call_points``; gloo's reduce-scatter does about half its work on the caller's thread).
@@ -203,18 +202,20 @@ class CollectiveMeasurements:
                     if self.rank in ranks:
                         group = pg
             for kind in KINDS:
-                if self.queued:
-                    pts = [(float(s), self._together(self._collective(kind, s, group, gs.size),  # type: ignore
-                                                     self.comm_timer)) for s in sizes]
-                else:
-                    pts = [(float(s), self._in_step(kind, s, group, gs)) for s in sizes]
+                pts = [(float(s), self._together(self._collective(kind, s, group, gs.size),  # type: ignore
+                                                 self.comm_timer)) for s in sizes]
                 a, bw = latency_bandwidth(pts)
                 fit = out[kind].setdefault(gs.placement, {})[str(gs.size)] = {
                     "latency_ns": int(a * 1e9), "bytes_per_s": bw, "points": [[int(x), y] for x, y in pts],
                     "concurrent_groups": len(gs.groups)}
-                if not self.queued:  # CPU backends: the call may hold the host thread (a GPU's call only enqueues)
-                    fit["call_points"] = [[int(s), self._call_s(kind, s, group, gs.size)] for s in sizes]
                 where = "inside a node" if gs.placement == INTRA_NODE else "across nodes"
-                self.log(f"{kind} over {gs.size} ranks {where} ({len(gs.groups)} group(s) at once): "  # type: ignore
-                         f"{a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")
+                msg = f"{a * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
+                if not self.queued:
+                    # CPU backends: the call may hold the host thread (a GPU's call only
+                    # enqueues), and a collective followed by compute stalls now and then
+                    fit["call_points"] = [[int(s), self._call_s(kind, s, group, gs.size)] for s in sizes]
+                    fit["in_step_points"] = [[int(s), self._in_step(kind, s, group, gs)] for s in sizes]
+                    msg += ("; followed by compute " + ", ".join(f"{y * 1e3:.2f}" for _, y in fit["in_step_points"])
+                            + " ms")
+                self.log(f"{kind} over {gs.size} ranks {where} ({len(gs.groups)} group(s) at once): {msg}")  # type: ignore
         return {k: v for k, v in out.items() if v}

@@ -63,6 +63,9 @@ class RankOptions:
 class RankRun:
     records: list[TraceRecord] = field(default_factory=list)
     step_times_ns: list[int] = field(default_factory=list)
+    # each measured step's start on the host's monotonic clock (perf_counter_ns, one clock
+    # for a node's ranks): the records are counted from it, rank by rank
+    step_starts_ns: list[int] = field(default_factory=list)
     memory_stats: dict[str, int] = field(default_factory=dict)
     own_device_bytes: int = 0  # the executor's own device memory (kernels' rings, scratch, partitions)
 
@@ -134,6 +137,7 @@ class RankExecutor:
                 s = step - self.opts.warmup
                 out.records.extend(rebased(r, t0, s) for r in recs)
                 out.step_times_ns.append(max((r.end_ns for r in recs), default=t0) - t0)
+                out.step_starts_ns.append(t0)
         if self.device.type == "cuda":
             out.memory_stats = {k: int(v) for k, v in torch.cuda.memory_stats(self.device).items()
                                 if isinstance(v, (int, float))}

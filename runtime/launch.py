@@ -88,14 +88,18 @@ def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | 
         ex = RankExecutor(schedule, rank, cfg.backend, opts)
         run = ex.run()
         gathered = [None] * world if rank == 0 else None
-        dist.gather_object((run.records, run.step_times_ns, run.memory_stats, run.own_device_bytes), gathered,
-                           dst=0)
+        dist.gather_object((run.records, run.step_times_ns, run.memory_stats, run.own_device_bytes,
+                            run.step_starts_ns), gathered, dst=0)
         if rank == 0:
             records = [r for item in gathered for r in item[0]]  # type: ignore[union-attr]
             steps = {r: item[1] for r, item in enumerate(gathered)}  # type: ignore[arg-type]
             mem = gathered[0][2] if gathered else {}  # type: ignore[index]
             own = gathered[0][3] if gathered else 0  # type: ignore[index]
             per_step = [max(steps[r][i] for r in steps) for i in range(cfg.steps)]
+            # each rank's records count from its own start of each step (after a barrier
+            # whose exits differ by up to a few ms): its starts on the monotonic clock put
+            # one node's ranks on one timeline (``Trace.on_one_clock``)
+            starts = {str(r): item[4] for r, item in enumerate(gathered)}  # type: ignore[index]
             # rank 0's allocator figures, and how much of its device memory is the
             # executor's own (kernels' rings and scratch, collectives' partitions) rather
             # than the schedule's: what to subtract before comparing with a prediction
@@ -104,7 +108,7 @@ def worker(cfg: ExecConfig, rank: int, world: int, local_rank: int, init: str | 
                              extra=(("step_times_ns", per_step), ("warmup_steps", cfg.warmup),
                                     ("memory_stats_rank0", mem), ("executor_own_device_bytes_rank0", own),
                                     ("world_size", world), ("ranks_per_node", ranks_per_node or world),
-                                    ("nodes", nodes)))
+                                    ("nodes", nodes), ("step_start_monotonic_ns", starts)))
             make_trace(meta, records).save(cfg.output)
         dist.barrier()
         dist.destroy_process_group()

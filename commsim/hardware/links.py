@@ -40,3 +40,7 @@ class CollectivePlan:
     # host time the backend's call holds the calling thread before it returns (gloo's
     # reduce-scatter works on the caller's thread; NCCL's call only enqueues: 0)
     call_ns: int = 0
+    # extra time, on average, when its members compute right after it rather than issue
+    # another collective (CPU backends: the occasional wait of about a scheduler tick for
+    # a completion, measured by calibrate as ``in_step_points``; 0 elsewhere)
+    stall_ns: int = 0

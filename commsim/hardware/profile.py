@@ -64,6 +64,17 @@ class CollectiveFit:
     # measured (bytes, seconds) of the call alone (async_op=True until it returns): the
     # time the backend holds the calling thread; () where not measured (GPUs: an enqueue)
     call_points: tuple[tuple[float, float], ...] = ()
+    # measured (bytes, seconds) of the collective as a step issues it (CPU backends:
+    # started together, followed by compute on every rank); () where not measured
+    in_step_points: tuple[tuple[float, float], ...] = ()
+
+    def stall_seconds(self, size_bytes: float) -> float:
+        """What a collective followed by compute takes beyond one followed by another
+        (``points``, back to back): piecewise linear between measured sizes, never below
+        0; 0 where either table is missing."""
+        if len(self.in_step_points) < 2 or len(self.points) < 2:
+            return 0.0
+        return max(0.0, piecewise(self.in_step_points, size_bytes) - piecewise(self.points, size_bytes))
 
     def call_seconds(self, size_bytes: float) -> float:
         """Host time of the call: piecewise linear between measured sizes (0 unmeasured)."""
@@ -312,4 +323,5 @@ class HardwareProfile:
         nodes = sorted({self.node_of(r) for r in op.group})
         return CollectivePlan(f"measured/{where}/{size}", fit.latency_ns,
                               tuple((Link(LinkKind.CHANNEL, n), seconds * _LINK_UNITS_PER_S) for n in nodes),
-                              call_ns=int(fit.call_seconds(op.size_bytes) * 1e9))
+                              call_ns=int(fit.call_seconds(op.size_bytes) * 1e9),
+                              stall_ns=int(fit.stall_seconds(op.size_bytes) * 1e9))

@@ -51,6 +51,15 @@ at that rate when the op's ``working_set_bytes`` fit in the rank's share of the 
 table: torch's single-tensor AdamW on CPUs keeps each parameter's arrays in the cache
 across its eight passes. Without ``cache`` every byte is priced from the table.
 
+Collectives (``collectives.<kind>.<placement>.<group size>``): ``points`` are
+[bytes, seconds] of back-to-back calls (CUDA events on GPUs); on CPU backends also
+``call_points`` (how long the call holds the calling thread) and ``in_step_points``
+(the collective as a step issues it: started together, then compute on every rank;
+``runtime.calibrate_collectives``). A CPU collective followed by compute on its ranks
+now and then waits about a scheduler tick for its completion: the simulator adds the
+difference between the two tables to a collective whose rank computes next, not to
+one followed by another collective.
+
 ``framework_kernels``: a framework's own memory-bound ATen kernels (element-wise add,
 row reduction, LayerNorm, softmax, dropout, embedding; forward and backward) timed in
 fp32 and bf16 by size. A prediction of a framework's run (``--runner framework``) prices
@@ -196,14 +205,14 @@ def _collectives(table: Any, where: str) -> dict[str, dict[tuple[str, int], Coll
                 if not str(p).isdigit() or int(p) < 2 or not isinstance(fit, dict):
                     raise CommsimInputError(f"{w}: group sizes are integers >= 2, each with a fit object")
                 pts = {}
-                for key in ("points", "call_points"):
+                for key in ("points", "call_points", "in_step_points"):
                     q = fit.get(key, [])
                     if not isinstance(q, list) or not all(isinstance(x, list) and len(x) == 2 for x in q):
                         raise CommsimInputError(f"{w}: {key} must be a list of [bytes, seconds] pairs")
                     pts[key] = tuple(sorted((float(a), float(b)) for a, b in q))
                 colls[kind][(place, int(p))] = CollectiveFit(int(_num(fit, "latency_ns", w, positive=False)),
                                                              _num(fit, "bytes_per_s", w), pts["points"],
-                                                             pts["call_points"])
+                                                             pts["call_points"], pts["in_step_points"])
     return colls
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -156,6 +156,28 @@ class Trace:
     @staticmethod
     def load(path: str | Path) -> "Trace":
         return Trace.from_dict(read_json(path, ScheduleFormatError), str(path))
+
+    def on_one_clock(self) -> "Trace":
+        """The trace with every rank's records of a step counted from the earliest rank's
+        start of that step. The executor counts each rank's records from its own start
+        of each step (after a barrier, whose exits differ by up to a few ms on a loaded
+        machine) and keeps those starts on the node's monotonic clock in
+        ``meta.extra["step_start_monotonic_ns"]`` (rank -> one start per measured step);
+        across ranks, times compare only after this shift. A trace without them (one
+        rank, a simulation, an older run) is returned as it is."""
+        starts = self.meta.get("step_start_monotonic_ns")
+        if not isinstance(starts, dict) or not starts:
+            return self
+        first = {i: min(s[i] for s in starts.values()) for i in range(min(len(s) for s in starts.values()))}
+        out = []
+        for r in self.records:
+            own = starts.get(str(r.rank))
+            if own is None or r.step not in first:
+                out.append(r)
+                continue
+            shift = own[r.step] - first[r.step]
+            out.append(replace(r, start_ns=r.start_ns + shift, end_ns=r.end_ns + shift))
+        return Trace(self.meta, tuple(out))
 
     # ------------------------------------------------------------ pandas
     def to_dataframe(self) -> "pd.DataFrame":

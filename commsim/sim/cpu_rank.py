@@ -9,7 +9,9 @@ runs its kernels on a time-sliced core (``cpu_scheduler``) and the cores are sha
 instead of kernels being slowed by a factor; otherwise kernels run slower while a
 collective is in flight, and slow the node's links while they run. A collective's call
 can hold the host thread (gloo's reduce-scatter works on the caller's thread): the host
-pays that measured time before its next op.
+pays that measured time before its next op. A collective after which its rank computes
+(rather than issuing another collective) takes its measured stall on top
+(``followed_by_compute``; ``CollectivePlan.stall_ns``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,27 @@ from __future__ import annotations
 import simpy
 
 from commsim.ir import ops as O
+from commsim.ir.schedule import Program
 from commsim.sim.rank import RankSim
 from commsim.sim.records import OpRecord
+
+
+def followed_by_compute(program: Program) -> frozenset[O.OpId]:
+    """The step's collectives whose rank next runs a kernel or a copy (the first device
+    op after it in program order is a compute or copy op), not another collective: a
+    layer's gather before its GEMMs, a gradient's reduce-scatter amid backward; not the
+    optimizer's back-to-back re-gathers of persistent parameters. Host ops, allocations
+    and synchronisations in between do not count: they are short."""
+    out: set[O.OpId] = set()
+    pending: list[O.OpId] = []  # collectives not yet followed by a device op
+    for op in program.step:
+        if isinstance(op, O.Collective):
+            pending.clear()  # followed by a collective
+            pending.append(op.id)
+        elif isinstance(op, (O.Compute, O.Copy)):
+            out.update(pending)
+            pending.clear()
+    return frozenset(out)
 
 
 class CpuRank(RankSim):

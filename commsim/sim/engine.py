@@ -33,7 +33,7 @@ from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.schedule import Schedule
 from commsim.sim.allocator import OutOfMemory
-from commsim.sim.cpu_rank import CpuRank
+from commsim.sim.cpu_rank import CpuRank, followed_by_compute
 from commsim.sim.cpu_scheduler import CpuScheduler
 from commsim.sim.gpu_rank import GpuRank
 from commsim.sim.network import FluidNetwork
@@ -45,7 +45,7 @@ __all__ = ["HOST", "HostBlock", "OpRecord", "RankResult", "SimConfig", "SimResul
 
 
 class _Rendezvous:
-    __slots__ = ("expected", "arrived", "event", "done", "sms", "hbm_rate")
+    __slots__ = ("expected", "arrived", "event", "done", "sms", "hbm_rate", "rank")
 
     def __init__(self, env: simpy.Environment, expected: int):
         self.expected = expected
@@ -54,6 +54,7 @@ class _Rendezvous:
         self.done: simpy.Event | None = None
         self.sms = 0  # what it holds of each member GPU while it runs (its plan)
         self.hbm_rate = 0.0
+        self.rank = -1  # the last member to arrive (its program says what follows)
 
 
 class Simulator:
@@ -94,6 +95,7 @@ class Simulator:
         self._members: dict[tuple[int, ...], int] = {}
         self._on_node: dict[int, int] = {}
         self._stream_comm: dict[int, dict[str, str]] = {}
+        self._followed: dict[int, frozenset[O.OpId]] = {}  # program -> collectives followed by compute
         self.cpus: dict[int, CpuScheduler] = {}
         self.cpu_sharing = ""
         self.rank_kind: type[RankSim] = CpuRank if platform.inline_kernels else GpuRank
@@ -177,7 +179,7 @@ class Simulator:
             n = self._members[group] = sum(1 for r in group if r in self.ranks)
         return n
 
-    def arrive(self, op: O.Collective, seq: int) -> _Rendezvous:
+    def arrive(self, op: O.Collective, seq: int, rank: int = 0) -> _Rendezvous:
         """A rank reached the ``seq``-th collective of ``op.group``: the last simulated
         member to arrive starts it."""
         key = (op.group, seq)
@@ -185,13 +187,15 @@ class Simulator:
         if rv is None:
             rv = self.rendezvous[key] = _Rendezvous(self.env, self.expected_members(op.group))
         rv.arrived += 1
+        rv.rank = rank
         if rv.arrived == rv.expected:
             del self.rendezvous[key]
             self.env.process(self.run_collective(op, rv))
         return rv
 
-    def _plan(self, op: O.Collective) -> tuple[int, tuple[tuple[Link, float], ...], int, float]:
-        """(latency, link demands, SMs and HBM bytes/s it takes of each member GPU)."""
+    def _plan(self, op: O.Collective) -> tuple[int, tuple[tuple[Link, float], ...], int, float, int]:
+        """(latency, link demands, SMs and HBM bytes/s it takes of each member GPU, its
+        stall when its rank computes next)."""
         key = (op.kind, op.size_bytes, op.group)
         cached = self._plans.get(key)
         if cached is None:
@@ -215,7 +219,7 @@ class Simulator:
                 hbm_rate = plan.hbm_bytes / alone_s if alone_s > 0 else 0.0
                 demands += tuple((Link(LinkKind.HBM, r), plan.hbm_bytes) for r in op.group if r in self.ranks)
                 sms = plan.sms
-            cached = self._plans[key] = (plan.latency_ns, demands, sms, hbm_rate)
+            cached = self._plans[key] = (plan.latency_ns, demands, sms, hbm_rate, plan.stall_ns)
         return cached
 
     def _world_on_node(self, node: int) -> int:
@@ -225,9 +229,22 @@ class Simulator:
             n = self._on_node[node] = sum(1 for r in range(self.schedule.world_size) if self.cost.node_of(r) == node)
         return n
 
+    def _stall_ns(self, op: O.Collective, rank: int, stall_ns: int) -> int:
+        """The collective's measured stall where its rank computes next (CPU backends:
+        ``cpu_rank.followed_by_compute``), else 0. Only where kernels run on the host
+        thread: a GPU's collectives complete on the device, whatever the host does next."""
+        if not stall_ns or not self.cost.platform.inline_kernels:
+            return 0
+        program = self.schedule.program_of(rank)
+        after = self._followed.get(id(program))
+        if after is None:
+            after = self._followed[id(program)] = followed_by_compute(program)
+        return stall_ns if op.id in after else 0
+
     def run_collective(self, op: O.Collective, rv: _Rendezvous):
         env = self.env
-        latency, demands, rv.sms, rv.hbm_rate = self._plan(op)
+        latency, demands, rv.sms, rv.hbm_rate, stall = self._plan(op)
+        stall = self._stall_ns(op, rv.rank, stall)
         rv.done = env.event()
         rv.event.succeed(env.now)
         if self.cpus:
@@ -237,12 +254,14 @@ class Simulator:
             work = self.core_work_ns(int(dur))
             yield simpy.AllOf(env, [env.process(self.cpus[self.cost.node_of(r)].run_thread(work))
                                     for r in op.group if r in self.ranks])
+            if stall:  # a wait for the completion, not work: no core is held
+                yield env.timeout(stall)
             rv.done.succeed()
             return
         slow = self.cost.comm_latency_slowdown_during_compute
         if slow != 1.0 and any(self.compute_active.get(self.cost.node_of(r)) for r in op.group if r in self.ranks):
             latency = int(latency * slow)  # the backend's thread waits for a busy core
-        yield env.timeout(latency)
+        yield env.timeout(latency + stall)
         yield self.network.start(demands)
         rv.done.succeed()
 

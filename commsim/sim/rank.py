@@ -392,7 +392,7 @@ class RankSim(RankMemory):
         """Arrive at the ``seq``-th collective of the op's group (counted in issue order);
         returns (start, time waited for peers)."""
         env, sim = self.env, self.sim
-        rv = sim.arrive(op, seq)
+        rv = sim.arrive(op, seq, self.rank)
         arrived = env.now
         yield rv.event
         start = rv.event.value

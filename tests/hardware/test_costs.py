@@ -182,6 +182,25 @@ def test_profile_collective_call_holds_the_host_by_measured_size(tmp_path):
         load_profile(path)
 
 
+def test_profile_collective_stall_is_the_in_step_table_over_the_back_to_back_one(tmp_path):
+    """in_step_points (CPU backends): a collective followed by compute; its stall is what
+    it takes beyond the back-to-back table, by size, never negative; without the table,
+    none."""
+    path = tmp_path / "p.json"
+    fit = {"latency_ns": 250000, "bytes_per_s": 5e8, "points": [[4096, 0.0005], [1 << 20, 0.0015]],
+           "in_step_points": [[4096, 0.0015], [1 << 20, 0.0014]]}
+    path.write_text(json.dumps({**PROFILE, "collectives": {**PROFILE["collectives"],
+                                                           "all_gather": {"intra_node": {"2": fit}}}}))
+    p = load_profile(path)
+    assert p.collective(ag(4096, (0, 1))).stall_ns == 1_000_000
+    half = 4096 + ((1 << 20) - 4096) // 2  # halfway: 1.0 ms over 1.45 ms in step
+    assert p.collective(ag(half, (0, 1))).stall_ns == pytest.approx(450_000, abs=1)
+    assert p.collective(ag(1 << 20, (0, 1))).stall_ns == 0  # faster in step than back to back: none
+    del fit["in_step_points"]
+    path.write_text(json.dumps({**PROFILE, "collectives": {"all_gather": {"intra_node": {"2": fit}}}}))
+    assert load_profile(path).collective(ag(4096, (0, 1))).stall_ns == 0
+
+
 def test_profile_measured_gemm_shapes_take_precedence(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({**PROFILE, "gemm_shapes_by_dtype": {"fp32": [[512, 8000, 512, 1, 2e10]],

@@ -67,3 +67,20 @@ def test_a_collectives_columns_come_from_the_op():
     mm = O.Compute(O.OpId(2), "compute", "mm", O.ComputeKind.ELEMENTWISE, 1, 1, 1)
     assert O.collective_columns(ag) == ("fp16", "0,2,4")
     assert O.collective_columns(mm) == ("", "")
+
+
+def test_on_one_clock_shifts_each_rank_by_its_own_step_start(tmp_path):
+    # rank 1 started step 0 1500 ns after rank 0 and step 1 200 ns before it
+    meta = TraceMeta(TraceSource.MEASURED, extra=(("step_start_monotonic_ns", {"0": [10_000, 50_000],
+                                                                               "1": [11_500, 49_800]}),))
+    recs = [TraceRecord(0, "allgather", 1, "all_gather", "ag", 100, 900, 8, 0, 0, "fwd"),
+            TraceRecord(1, "allgather", 1, "all_gather", "ag", 0, 700, 8, 0, 0, "fwd"),
+            TraceRecord(0, "allgather", 1, "all_gather", "ag", 100, 900, 8, 0, 1, "fwd"),
+            TraceRecord(1, "allgather", 1, "all_gather", "ag", 400, 1300, 8, 0, 1, "fwd")]
+    path = tmp_path / "m.json"
+    make_trace(meta, recs).save(path)  # the starts survive JSON (rank keys as strings)
+    aligned = Trace.load(path).on_one_clock()
+    assert sorted((r.rank, r.step, r.start_ns, r.end_ns) for r in aligned.records) == [
+        (0, 0, 100, 900), (0, 1, 300, 1100), (1, 0, 1500, 2200), (1, 1, 400, 1300)]
+    plain = make_trace(META, RECORDS)
+    assert plain.on_one_clock() is plain  # nothing to align by

@@ -46,6 +46,15 @@ def test_every_op_runs_in_a_valid_order_and_data_is_right(tmp_path, gpus, stage)
     assert trace.meta.source.value == "measured" and trace.meta.schedule_hash == schedule_hash(sched)
     assert len(trace.meta.get("step_times_ns")) == 2
     _check_order(sched, trace, 2)
+    # On one clock, no member completes an all-gather, reduce-scatter or all-reduce
+    # before every member has called it (each needs every member's data).
+    starts = trace.meta.get("step_start_monotonic_ns")
+    assert sorted(starts) == [str(r) for r in range(gpus)] and all(len(v) == 2 for v in starts.values())
+    members: dict = {}
+    for r in trace.on_one_clock().records:
+        if r.kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            members.setdefault((r.step, r.op_id), []).append(r)
+    assert members and all(min(r.end_ns for r in rs) >= max(r.start_ns for r in rs) for rs in members.values())
 
 
 def test_a_dead_rank_ends_the_run_naming_rank_and_op(tmp_path):

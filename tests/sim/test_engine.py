@@ -217,6 +217,31 @@ def test_a_cpu_collective_call_holds_the_host_thread():
     assert events(res) == [(0, 10, 0, C, "c2"), (0, 100, 0, AG, "ag1"), (10, 20, 0, C, "c3")]
 
 
+class _Stalls(FixedCosts):
+    """FixedCosts whose collectives stall ``stall_ns`` when compute follows them."""
+
+    stall_ns = 0
+
+    def collective(self, op):
+        return replace(super().collective(op), stall_ns=self.stall_ns)
+
+
+def test_a_cpu_collective_followed_by_compute_takes_its_stall():
+    """A gloo collective after which its rank computes waits, on average, its measured
+    stall on top; one followed by another collective does not (calibrate's back-to-back
+    table prices it), nor does any collective on a GPU."""
+    costs = _Stalls()
+    costs.platform, costs.stall_ns = CPU, 40
+    wait = O.HostSync(O.OpId(3), "wait", O.SyncScope.OPS, deps=(O.OpId(2),))
+    prog = Program((), (coll(1, 100, (0,)), coll(2, 100, (0,)), wait, comp(4, 10)))
+    # ag1 is followed by ag2 (back to back, 100 ns); ag2 by the host's wait, then c4: +40
+    assert events(run(Schedule.uniform(1, prog), costs=costs)) == [
+        (0, 100, 0, AG, "ag1"), (100, 240, 0, AG, "ag2"), (240, 250, 0, C, "c4")]
+    costs.platform = GPU
+    assert events(run(Schedule.uniform(1, prog), costs=costs)) == [
+        (0, 100, 0, AG, "ag1"), (100, 200, 0, AG, "ag2"), (200, 210, 0, C, "c4")]
+
+
 def test_host_malloc_costs_every_allocation():
     costs = FixedCosts()
     costs.platform = replace(GPU, memory=MemoryModel.MALLOC)
@@ -321,3 +346,17 @@ def test_measured_drift_simulates_every_rank_and_reports_the_median_of_seeded_st
         RankDrift(0.1, 0)
     with pytest.raises(ValueError, match="when it is not 0, the correlation time > 0"):
         Simulator(Schedule.uniform(2, prog), FixedCosts(), SimConfig(rank_noise_sd=0.1, rank_noise_corr_ns=0))
+
+
+def test_which_collectives_compute_follows():
+    """The first device op after a collective in program order decides; host work,
+    allocations and synchronisations in between do not; the step's last collective is
+    followed by nothing."""
+    from commsim.sim.cpu_rank import followed_by_compute
+
+    hook = O.HostWork(O.OpId(3), "hook", O.HostKind.PYTHON, 5)
+    wait = O.HostSync(O.OpId(4), "wait", O.SyncScope.OPS, deps=(O.OpId(2),))
+    cp = O.Copy(O.OpId(7), C, "cp7", O.CopyDirection.D2D, 8)
+    prog = Program((), (coll(1, 8, (0,)), coll(2, 8, (0,)), hook, wait, comp(5, 10), coll(6, 8, (0,)), cp,
+                        coll(8, 8, (0,))))
+    assert followed_by_compute(prog) == {O.OpId(2), O.OpId(6)}
