@@ -16,15 +16,11 @@ barrier), issued asynchronously and waited for, as the executor and the framewor
 then followed by compute on every rank (``STEP_AFTER_S`` of matmuls), as a layer's
 kernels follow its gather; its time is from the last member's call to the last
 member's completion, the mean over many calls. On a CPU a collective's completion
-rides on the ranks' threads and the kernel's network stack; followed by compute, now
-and then a completion waits about a scheduler tick (4 ms at HZ=250). Back-to-back calls
-rarely meet that; a layer's gather, followed by its GEMMs, often does. Measured on the
-2-core development VM (gloo, 2 ranks; traces/README.md, "Collectives as a step issues
-them"): a 4 KiB all-gather 0.28 ms followed by nothing against 0.9-1.9 ms followed by
-0.5-10 ms of matmuls (16-52% of the calls stalling 2.7-4.6 ms); in the executor's steps
-1 MiB all-gathers took 2.1-2.3 ms from the last member's call to the last completion
-against 1.5 ms back to back. The mean, not the median, because a step pays every
-stall. The simulator adds the difference between the two tables to a collective whose
+rides on the backend's threads, which need a core; followed by compute, now and then a
+completion waits about a scheduler slice for one. Back-to-back calls rarely meet that;
+a layer's gather, followed by its GEMMs, often does (the figures: traces/README.md,
+"Collectives as a step issues them"). The mean, not the median, because a step pays
+every stall. The simulator adds the difference between the two tables to a collective whose
 rank computes next (``commsim.sim.cpu_rank.followed_by_compute``).
 
 Also on CPUs: how long each call holds the calling thread before it returns

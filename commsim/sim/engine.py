@@ -179,8 +179,8 @@ class Simulator:
             n = self._members[group] = sum(1 for r in group if r in self.ranks)
         return n
 
-    def arrive(self, op: O.Collective, seq: int, rank: int = 0) -> _Rendezvous:
-        """A rank reached the ``seq``-th collective of ``op.group``: the last simulated
+    def arrive(self, op: O.Collective, seq: int, rank: int) -> _Rendezvous:
+        """``rank`` reached the ``seq``-th collective of ``op.group``: the last simulated
         member to arrive starts it."""
         key = (op.group, seq)
         rv = self.rendezvous.get(key)

@@ -187,20 +187,22 @@ def test_cpu_collectives_reach_the_backend_in_issue_order():
         (0, 104, 0, "reduce", "rs3"), (0, 202, 0, AG, "ag1"), (202, 312, 0, AG, "ag2")]
 
 
-class _CallHolds(FixedCosts):
-    """FixedCosts whose collectives hold the calling thread for ``call_ns``."""
+class _Plans(FixedCosts):
+    """FixedCosts whose collectives hold the calling thread for ``call_ns`` and stall
+    ``stall_ns`` when compute follows them."""
 
     call_ns = 0
+    stall_ns = 0
 
     def collective(self, op):
-        return replace(super().collective(op), call_ns=self.call_ns)
+        return replace(super().collective(op), call_ns=self.call_ns, stall_ns=self.stall_ns)
 
 
 def test_a_cpu_collective_call_holds_the_host_thread():
     """gloo's reduce-scatter works on the caller's thread for part of its time: the host
     pays that before its next op, or not at all when it was waiting anyway; a GPU's call
     only enqueues."""
-    costs = _CallHolds()
+    costs = _Plans()
     costs.platform, costs.call_ns = CPU, 30
     prog = Program((), (coll(1, 100, (0,)), comp(2, 10), comp(3, 10)))
     res = run(Schedule.uniform(1, prog), costs=costs)
@@ -217,20 +219,11 @@ def test_a_cpu_collective_call_holds_the_host_thread():
     assert events(res) == [(0, 10, 0, C, "c2"), (0, 100, 0, AG, "ag1"), (10, 20, 0, C, "c3")]
 
 
-class _Stalls(FixedCosts):
-    """FixedCosts whose collectives stall ``stall_ns`` when compute follows them."""
-
-    stall_ns = 0
-
-    def collective(self, op):
-        return replace(super().collective(op), stall_ns=self.stall_ns)
-
-
 def test_a_cpu_collective_followed_by_compute_takes_its_stall():
     """A gloo collective after which its rank computes waits, on average, its measured
     stall on top; one followed by another collective does not (calibrate's back-to-back
     table prices it), nor does any collective on a GPU."""
-    costs = _Stalls()
+    costs = _Plans()
     costs.platform, costs.stall_ns = CPU, 40
     wait = O.HostSync(O.OpId(3), "wait", O.SyncScope.OPS, deps=(O.OpId(2),))
     prog = Program((), (coll(1, 100, (0,)), coll(2, 100, (0,)), wait, comp(4, 10)))
