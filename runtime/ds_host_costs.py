@@ -2,6 +2,8 @@
 
     python -m runtime.ds_host_costs --deepspeed 0.5.10 --source DIR -o costs-0.5.10.json
     python -m runtime.ds_host_costs --deepspeed 0.19.8 -o costs-0.19.8.json   # the installed one
+    python -m runtime.ds_host_costs --min-of merged.json run1.json run2.json ...
+    python -m runtime.ds_host_costs --derive costs-*.json
 
 One DeepSpeed release at a time (each in its own process: two releases cannot share
 one): 0.19.8 is the installed package; an older one is the unpacked source tree of
@@ -28,7 +30,11 @@ leaves out the time other processes on a shared machine hold the core) with coun
 (parameters visited, gathered, released, examined by the prefetch walk or queue); the
 same calls repeat every steady-state step, so each call's minimum over the steps
 (what the routine costs when nothing else on this shared machine interrupts it) is
-fitted by least squares to a fixed cost plus a cost per counted item. Separately:
+fitted by least squares to a fixed cost plus a cost per counted item. The bucket flush
+is also timed alone (0.19.8: ``CurrentRelease.flush_sweep``) holding 1-40 gradients,
+since a step's few flushes cannot separate its fixed cost from its cost per gradient;
+``derive`` fits those where present. ``--min-of`` merges several processes' runs of one
+world into each call's minimum (``calibrate`` times six). Separately:
 one PyTorch op's dispatch and one c10d collective call (the fake backend: c10d's
 Python and C++ path without a network). The JSON holds every fit with its residual,
 the counts, the machine, the date and the torch version.
@@ -41,6 +47,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import sys
 import warnings
 from pathlib import Path
@@ -48,8 +55,19 @@ from pathlib import Path
 from runtime.ds_host_old import OldRelease
 from runtime.ds_host_setup import (BUCKET, FFN, HIDDEN, LAYERS, LIVE, PERSISTENCE, PREFETCH_BUCKET, REUSE, STEPS,
                                    VOCAB, WORLD, fake_world, model_config, noop_handle)
-from runtime.ds_host_timing import (Recorder, count_gathers, count_queue_pops, count_waits, fit, min_over_steps,
+from runtime.ds_host_timing import (Recorder, clock, count_gathers, count_queue_pops, count_waits, fit, min_over_steps,
                                     primitives)
+
+# The bucket flush timed alone (CurrentRelease.flush_sweep): gradients per flush, and
+# repeats of each (each count's minimum is kept). Only the parameters whose elements
+# divide evenly among SWEEP_RANKS ranks (40 of the model's 106: weights, embeddings):
+# reduce_scatter_coalesced pads every rank's piece of an uneven tensor with a fresh
+# torch.empty, which the width-16 model's biases and LayerNorms would pay at 64-128 ranks
+# (a 16-element bias at 128 ranks: 112 allocations) and a real model's, thousands of
+# elements wide, do not.
+FLUSH_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 40)
+FLUSH_REPEATS = 100
+SWEEP_RANKS = 128
 
 __all__ = ["CurrentRelease", "OldRelease", "derive", "fit", "measure", "model_config"]
 
@@ -150,11 +168,47 @@ class CurrentRelease:
     def debug_string_ns(self) -> None:
         return None
 
+    def flush_sweep(self, counts=FLUSH_COUNTS, repeats: int = FLUSH_REPEATS) -> list[tuple[int, dict[str, int]]]:
+        """The bucket flush alone, holding each of ``counts`` gradients (the model's
+        evenly divisible parameters in backward order), ``repeats`` times in a
+        shuffled order (a flush right after a large one measured ~0.3 ms slower at 64
+        ranks); each count's minimum. A step's own flushes hold 1-25 gradients, too few
+        distinct counts to separate the per-gradient cost from the fixed one. The bucket
+        is enlarged to hold every gradient (DeepSpeed reads its size and buffer at each
+        call); the gradients are zeros of each parameter's full shape, given to it as
+        the autograd engine would (its data briefly full-sized: a partitioned parameter
+        holds none)."""
+        torch, zopt = self.torch, self.zopt
+        cls = type(zopt)
+        flush = getattr(cls, "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
+        add = getattr(cls, "_DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket")
+        params = [p for p in list(self.model.parameters())[::-1] if p.ds_numel % SWEEP_RANKS == 0]
+        assert counts[-1] <= len(params), (counts, len(params))
+        dtype = zopt.get_param_comm_dtype(params[0])
+        total = sum(p.ds_numel for p in params)
+        zopt.reduce_bucket_size = total
+        zopt.ipg_buckets[dtype].buffer = torch.empty(total, dtype=params[0].dtype)
+        times: dict[int, list[int]] = {n: [] for n in counts}
+        for r in range(repeats):
+            order = list(counts)
+            random.Random(r).shuffle(order)
+            for n in order:
+                for p in params[:n]:
+                    data = p.data
+                    p.data = torch.empty(p.ds_shape, dtype=p.dtype)
+                    p.grad = torch.zeros(p.ds_shape, dtype=p.dtype)
+                    p.data = data
+                    add(zopt, p)
+                t0 = clock()
+                flush(zopt, dtype)
+                times[n].append(clock() - t0)
+        return [(min(times[n]), {"grad": n}) for n in counts]
+
 
 # ---------------------------------------------------------------- main
 
 
-def measure(release, steps: int = STEPS, log=print) -> dict:
+def measure(release, steps: int = STEPS, log=print, flush_repeats: int = FLUSH_REPEATS) -> dict:
     rec = Recorder()
     release.build(rec)
     per_step = []
@@ -175,7 +229,27 @@ def measure(release, steps: int = STEPS, log=print) -> dict:
     }
     if calls.get("flush"):
         fits["flush"] = fit(calls["flush"], ["grad"])
+    if hasattr(release, "flush_sweep"):
+        calls["flush_sweep"] = release.flush_sweep(repeats=flush_repeats)
+        fits["flush_sweep"] = fit(calls["flush_sweep"], ["grad"], relative=True)
+        log("flush alone: " + ", ".join(f"{c['grad']} grads {t / 1e3:.0f} us" for t, c in calls["flush_sweep"]))
     return fits, calls
+
+
+def min_over_runs(docs: list[dict]) -> dict:
+    """One measurement from several processes' of the same release and world: each
+    call's minimum over them (the same calls with the same counts in each). This
+    machine's speed drifts between processes (the same flush 10-30% apart), so the
+    fastest process's time of each call is what the routine costs, as each call's
+    minimum over the steps is within one."""
+    first = docs[0]
+    assert all((d["deepspeed"], d["world"]) == (first["deepspeed"], first["world"]) for d in docs)
+    calls = {}
+    for routine, rows in first["calls"].items():
+        assert all([c for _, c in d["calls"][routine]] == [c for _, c in rows] for d in docs), routine
+        calls[routine] = [[min(d["calls"][routine][i][0] for d in docs), c] for i, (_, c) in enumerate(rows)]
+    prims = {k: min(d["primitives"][k] for d in docs) for k in first["primitives"]}
+    return {**first, "calls": calls, "primitives": prims, "processes": len(docs)}
 
 
 # cudaLaunchKernel's host-side cost: back-to-back launches of a short kernel take
@@ -190,15 +264,18 @@ CUDA_LAUNCH_NS = 3_800
 CPU_SCALE = 1.0
 
 
-def derive(paths: list[str]) -> dict[str, dict[str, int]]:
+def derive(paths: list[str], exact: bool = False) -> dict[str, dict[str, int]]:
     """HostCosts fields per release from the measurements at two or more world sizes:
-    the calls of all of them fitted together, the loops over ranks as a per-rank term."""
+    the calls of all of them fitted together, the loops over ranks as a per-rank term.
+    Rounded to 100 ns for knobs.HOST_COSTS; ``exact``: to 1 ns (a calibration's
+    figures: its per-rank terms are a few hundred ns, where 100 ns steps would be a
+    20-50% quantisation)."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     out = {}
     for version in sorted({d["deepspeed"] for d in docs}):
         ds = [d for d in docs if d["deepspeed"] == version]
 
-        def joint(routine, features, per_rank=(), rank=False):
+        def joint(routine, features, per_rank=(), rank=False, relative=False):
             """``per_rank``: features whose cost also grows with the world (a loop over
             ranks per item); ``rank``: a part of the fixed cost that does (``per_rank_ns``)."""
             calls = []
@@ -210,21 +287,25 @@ def derive(paths: list[str]) -> dict[str, dict[str, int]]:
                     if rank:
                         c["rank"] = d["world"]
                     calls.append((t, c))
-            return fit(calls, list(features) + [f"{f}_x_rank" for f in per_rank] + (["rank"] if rank else []))
+            return fit(calls, list(features) + [f"{f}_x_rank" for f in per_rank] + (["rank"] if rank else []),
+                       relative=relative)
 
         fetch = joint("fetch", ["param", "gathered", "waited"], per_rank=("gathered", "waited"))
         release = joint("release", ["param", "freed"])
         grad = joint("grad_hook", [])
-        # a flush's fixed part grows with the world too (its partition bookkeeping loops
-        # over the ranks once per flush): one gradient's flush 282 us at 8 ranks, 395-440 us
-        # at 64 in three calibrations
-        flush = joint("flush", ["grad"], per_rank=("grad",), rank=True)
+        # The flush timed alone over 1-40 gradients where measured (0.19.8), fitted on
+        # relative residuals; else the step's own flushes. Its fixed part grows with the
+        # world too: reduce_scatter_coalesced loops over the ranks once per flush (timed
+        # alone at 2 and 128 ranks: 0.27-0.37 us a rank; without the term a one-gradient
+        # flush at 128 ranks sits 6-12% above the fit).
+        sweep = all(d["calls"].get("flush_sweep") for d in ds)
+        flush = joint("flush_sweep" if sweep else "flush", ["grad"], per_rank=("grad",), rank=True, relative=sweep)
         debug = next((d["debug_string_ns"] for d in ds if d.get("debug_string_ns")), 0)
         small = [d for d in ds if d["world"] == min(x["world"] for x in ds)][0]
         prim = small["primitives"]
 
         def scaled(v: float) -> int:
-            return int(round(v * CPU_SCALE, -2))
+            return int(round(v * CPU_SCALE, 0 if exact else -2))
 
         out[version] = {
             "launch_ns": scaled(prim["torch_op_ns"]) + CUDA_LAUNCH_NS,
@@ -246,6 +327,7 @@ def derive(paths: list[str]) -> dict[str, dict[str, int]]:
             "debug_string_ns": scaled(debug),
             "_fit": {"fetch_r2": fetch["r2"], "release_r2": release["r2"], "flush_r2": flush["r2"],
                      "fetch_rms_ns": fetch["rms_residual_ns"], "worlds": sorted(d["world"] for d in ds),
+                     "flush_timed": f"alone, {FLUSH_COUNTS[0]}-{FLUSH_COUNTS[-1]} gradients" if sweep else "in the step",
                      "date": ds[0]["date"], "cpu": ds[0]["machine"]["cpu"]},
         }
     return out
@@ -257,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--derive":
         print(json.dumps(derive(argv[1:]), indent=1))
         return 0
+    if argv and argv[0] == "--min-of":
+        # python -m runtime.ds_host_costs --min-of OUT RUN.json RUN.json ...
+        docs = [json.loads(Path(p).read_text()) for p in argv[2:]]
+        Path(argv[1]).write_text(json.dumps(min_over_runs(docs), indent=1) + "\n")
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deepspeed", required=True, choices=("0.5.10", "0.6.0", "0.19.8"))
     ap.add_argument("--source", help="the unpacked sdist of an older release (its root, holding deepspeed/)")
@@ -265,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=WORLD, help="ranks of the fake process group (default 64)")
     ap.add_argument("--bucket", type=int, default=BUCKET,
                     help=f"reduce bucket, elements (default {BUCKET}: the seed's ratio; smaller flushes more often)")
+    ap.add_argument("--flush-repeats", type=int, default=FLUSH_REPEATS,
+                    help=f"times the flush alone is timed at each gradient count (default {FLUSH_REPEATS})")
     args = ap.parse_args(argv)
     if args.deepspeed != "0.19.8" and not args.source:
         ap.error(f"--source: DeepSpeed {args.deepspeed} is read from its unpacked sdist")
@@ -273,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    fits, calls = measure(release, args.steps, log)
+    fits, calls = measure(release, args.steps, log, args.flush_repeats)
     doc = {
         "deepspeed": args.deepspeed,
         "fits": fits,

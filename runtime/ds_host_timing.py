@@ -14,7 +14,7 @@ import warnings
 
 # The calling thread's CPU time: what the routine itself costs, even while other
 # processes on this (shared) machine take the core away from it now and then.
-_clock = time.thread_time_ns
+clock = time.thread_time_ns
 
 
 class Recorder:
@@ -38,11 +38,11 @@ class Recorder:
             outer_counts, outer_excl = rec.counts, rec.exclude_ns
             rec.counts = collections.Counter(features(args) if features else {})
             rec.exclude_ns = 0
-            t0 = _clock()
+            t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                dt = _clock() - t0
+                dt = clock() - t0
                 rec.calls[name].append((dt - rec.exclude_ns, dict(rec.counts)))
                 rec.counts, rec.exclude_ns = outer_counts, outer_excl + dt
 
@@ -62,17 +62,21 @@ def min_over_steps(per_step: list[dict[str, list]]) -> dict[str, list[tuple[int,
     return out
 
 
-def fit(calls: list[tuple[int, dict[str, int]]], features: list[str]) -> dict:
+def fit(calls: list[tuple[int, dict[str, int]]], features: list[str], relative: bool = False) -> dict:
     """Least squares: time = fixed + sum(coef x count), coefficients kept >= 0 (a
-    negative one is dropped and the rest refitted)."""
+    negative one is dropped and the rest refitted). ``relative``: each call's residual
+    relative to its time (weights 1 / time), for calls whose times span orders of
+    magnitude: this machine's speed drifts by a factor (10-30% between processes), so
+    an absolute fit lets the largest calls' drift swamp the small calls' fixed cost."""
     import numpy as np
 
     names = list(features)
     y = np.array([float(t) for t, _ in calls])
+    w = 1.0 / np.maximum(y, 1.0) if relative else np.ones_like(y)
     intercept = True
     while True:
         X = np.array([([1.0] if intercept else []) + [float(c.get(f, 0)) for f in names] for _, c in calls])
-        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
         if intercept and coef[0] < 0 and names:
             intercept = False
             continue
@@ -100,10 +104,10 @@ def time_call(fn, n: int = 20000, repeats: int = 7) -> float:
         fn()
     runs = []
     for _ in range(repeats):
-        t0 = _clock()
+        t0 = clock()
         for _ in range(n):
             fn()
-        runs.append((_clock() - t0) / n)
+        runs.append((clock() - t0) / n)
     return statistics.median(runs)
 
 

@@ -258,7 +258,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also time the exact GEMM shapes of this schedule, in its precision (repeatable); "
                    "predictions of it then use them instead of a rate by flops")
     p.add_argument("--deepspeed-host-costs", action="store_true",
-                   help="also measure real DeepSpeed's hook costs on this machine (runs it; needs deepspeed)")
+                   help="also measure real DeepSpeed's hook costs on this machine (runs it in 12 processes, "
+                   "about two minutes; needs deepspeed)")
     p.add_argument("--from-comms-log", metavar="LOG",
                    help="measure nothing: take the collectives' fits from DeepSpeed's comms-logger output (its per-op "
                    "lines, or get_raw_data() saved as JSON) over BASE's; needs --hw-profile BASE, not torch")
