@@ -179,9 +179,24 @@ class HardwareProfile:
         measured with zero-filled blocks (every page written). A block of which only
         ``touch_bytes`` are ever written: above glibc's mmap threshold it is fresh pages
         and pays the first touch of what is written; below it the heap's pages are
-        already touched and only the fixed cost remains."""
+        already touched and only the fixed cost remains.
+
+        A framework's allocation (``framework``) is a ``torch.empty`` that the op making
+        it writes (the generators emit a fill op where the framework zeroes one): a heap
+        block costs nothing beyond that op's dispatch, fresh mmapped pages their first
+        touch. torch's sqrt into a new 1-30 MiB tensor took as long as into an existing
+        one (within 0.1%), into a new 34 / 64 MiB one 10 / 18 ms longer (0.29 ns a byte;
+        traces/README.md, "A framework's allocations"); the table, zero-filled in a
+        barrier's wake, prices a 4 KiB block at tens of us."""
         partial = touch_bytes is not None and touch_bytes < size_bytes
         pts = self.alloc_points
+        if self.framework:
+            if size_bytes < GLIBC_MMAP_THRESHOLD_MAX_BYTES:
+                return 0
+            written = size_bytes if touch_bytes is None else touch_bytes
+            per_byte = self.first_touch_ns_per_byte or (pts[-1][1] / pts[-1][0] * 1e9 if pts
+                                                        else self.malloc_ns_per_byte)
+            return int(per_byte * written)
         if len(pts) < 2:  # the line, over the bytes that get written
             return self.malloc_base_ns + int(self.malloc_ns_per_byte * (touch_bytes if partial else size_bytes))
         (x_lo, y_lo), (x_hi, y_hi) = pts[0], pts[-1]
@@ -212,7 +227,8 @@ class HardwareProfile:
         the launch host op's dispatch only (``host_costs.launch_ns``, a torch op's
         dispatch timed by calibrate). On GPUs the fixed cost is the device's own and stays.
         Its memory-bound ops run the framework's own kernels, priced from
-        ``framework_kernels`` by class and dtype where calibrate measured them."""
+        ``framework_kernels`` by class and dtype where calibrate measured them, and its
+        allocations are empty ones (``host_malloc_ns``)."""
         inline = self.platform.inline_kernels
         return replace(self, issue_ns=0, kernel_overhead_ns=0 if inline else self.kernel_overhead_ns, framework=True)
 
