@@ -19,8 +19,14 @@ import atexit
 import contextlib
 import json
 import os
+import resource
 import sys
 import time
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (all its threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def main() -> None:
@@ -95,6 +101,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     times = []
     phase_times: dict[str, list[float]] = {}  # forward / backward / step (engine.step) per step
+    # this process's minor page faults per phase: fresh pages' first touches (each costs a
+    # fault and the kernel's zeroing), to check what allocations cost in a real step
+    phase_faults: dict[str, list[int]] = {}
     import cProfile
     import pstats
 
@@ -104,17 +113,20 @@ def main() -> None:
         prof = cProfile.Profile() if args.profile and last else None
         tprof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) \
             if args.torch_profile and last else contextlib.nullcontext()
-        phases = {}
+        phases, faults = {}, [minor_faults()]
         t = time.perf_counter()
         if prof:
             prof.enable()
         with tprof:
             loss = engine(ids, labels=ids)
             phases["forward"] = time.perf_counter()
+            faults.append(minor_faults())
             engine.backward(loss)
             phases["backward"] = time.perf_counter()
+            faults.append(minor_faults())
             engine.step()
             phases["step"] = time.perf_counter()
+            faults.append(minor_faults())
         if prof:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
@@ -122,6 +134,8 @@ def main() -> None:
         ends = list(phases.values())
         for name, t0, t1 in zip(phases, [t] + ends, ends):
             phase_times.setdefault(name, []).append(t1 - t0)
+        for name, f0, f1 in zip(phases, faults, faults[1:]):
+            phase_faults.setdefault(name, []).append(f1 - f0)
         if args.torch_profile and last:
             for name, durs in phase_times.items():
                 print(f"phase {name}: {durs[-1] * 1e3:.1f} ms")
@@ -129,7 +143,7 @@ def main() -> None:
             tprof.export_chrome_trace(args.torch_profile)
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
-            json.dump({"step_times_s": times, "phase_times_s": phase_times}, f)
+            json.dump({"step_times_s": times, "phase_times_s": phase_times, "phase_minor_faults": phase_faults}, f)
     if ds_cfg.get("comms_logger", {}).get("enabled"):
         # DeepSpeed's comms logger: its raw per-op values, then the summary table on rank
         # 0's stdout (with "verbose" the per-op lines were logged as the ops ran)

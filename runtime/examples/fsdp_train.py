@@ -22,6 +22,7 @@ import json
 import time
 
 from runtime.examples import records
+from runtime.examples.ds_train import minor_faults
 
 
 def main() -> None:
@@ -93,32 +94,38 @@ def main() -> None:
     gas = fc.gradient_accumulation_steps
     times = []
     phase_times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}  # summed over micro-steps
+    phase_faults: dict[str, list[int]] = {k: [] for k in phase_times}  # minor page faults (runtime.examples.ds_train)
     with records.profiling(args, args.steps) as prof:
         for _ in range(args.steps):
             t = time.perf_counter()
             spent = dict.fromkeys(phase_times, 0.0)
+            faults = dict.fromkeys(phase_times, 0)
             for micro in range(gas):
                 if not fc.requires_gradient_sync:
                     # reduce only at the last micro-step (FSDP1's no_sync)
                     model.set_requires_gradient_sync(micro == gas - 1)
                 ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
-                t0 = time.perf_counter()
+                t0, f0 = time.perf_counter(), minor_faults()
                 loss = model(ids, labels=ids)
-                t1 = time.perf_counter()
+                t1, f1 = time.perf_counter(), minor_faults()
                 loss.backward()
                 spent["forward"] += t1 - t0
                 spent["backward"] += time.perf_counter() - t1
-            t0 = time.perf_counter()
+                faults["forward"] += f1 - f0
+                faults["backward"] += minor_faults() - f1
+            t0, f0 = time.perf_counter(), minor_faults()
             opt.step()
             opt.zero_grad()
             spent["step"] = time.perf_counter() - t0
+            faults["step"] = minor_faults() - f0
             times.append(time.perf_counter() - t)
             for k, v in spent.items():
                 phase_times[k].append(v)
+                phase_faults[k].append(faults[k])
             prof.step()
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
-            json.dump({"step_times_s": times, "phase_times_s": phase_times}, f)
+            json.dump({"step_times_s": times, "phase_times_s": phase_times, "phase_minor_faults": phase_faults}, f)
     dist.barrier()
     records.dump_flight_recorder(args, dist.get_rank())
     dist.destroy_process_group()
