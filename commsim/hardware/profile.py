@@ -184,10 +184,12 @@ class HardwareProfile:
         A framework's allocation (``framework``) is a ``torch.empty`` that the op making
         it writes (the generators emit a fill op where the framework zeroes one): a heap
         block costs nothing beyond that op's dispatch, fresh mmapped pages their first
-        touch. torch's sqrt into a new 1-30 MiB tensor took as long as into an existing
-        one (within 0.1%), into a new 34 / 64 MiB one 10 / 18 ms longer (0.29 ns a byte;
-        traces/README.md, "A framework's allocations"); the table, zero-filled in a
-        barrier's wake, prices a 4 KiB block at tens of us."""
+        touch. torch's sqrt into a new 4 KiB-30 MiB tensor took as long as into an
+        existing one (within 3%), into a new 34 / 64 MiB one 10.5 / 22.2 ms longer (0.33
+        ns a byte; bench/framework_alloc.py), and real DeepSpeed's optimizer step faulted
+        as many pages as its schedule's mmapped blocks hold (traces/README.md, "A
+        framework's allocations"); the table, zero-filled in a barrier's wake, prices a
+        4 KiB block at tens of us."""
         partial = touch_bytes is not None and touch_bytes < size_bytes
         pts = self.alloc_points
         if self.framework:
