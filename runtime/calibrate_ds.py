@@ -22,9 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Two world sizes fit the loops over ranks: 2 (a local run's) and 128 (beyond the
 # seed's 64, so the per-rank terms are measured over a long lever). Each world is timed in
-# PROCESSES processes, one after the other, and each call's minimum over them kept: this
-# machine's speed drifts by 10-30% between processes, more than one process's minimum
-# over its steps removes (traces/README.md, "Host costs, three calibrations").
+# PROCESSES processes, the worlds alternating, and each call's minimum over them kept:
+# this machine's speed drifts by 10-30% between processes, more than one process's
+# minimum over its steps removes, and a per-rank term is a difference between the
+# worlds, so both must see the same minutes (three calibrations with the worlds one after
+# the other: the per-parameter gather 14% apart; alternating: 0.6%; traces/README.md,
+# "Host costs, three calibrations").
 WORLDS = (2, 128)
 PROCESSES = 6
 # the DeepSpeed routines' fields of HostCosts (launches come from calibrate itself)
@@ -43,10 +46,10 @@ def measure_host_costs(nproc: int, profile: str, log=print) -> dict:
 
     version = deepspeed.__version__
     with tempfile.TemporaryDirectory() as d:
-        paths = []
-        for world in WORLDS:
-            runs = []
-            for k in range(PROCESSES):
+        runs: dict[int, list[dict]] = {world: [] for world in WORLDS}
+        # the worlds alternate, so both see the same minutes of this machine
+        for k in range(PROCESSES):
+            for world in WORLDS:
                 log(f"timing DeepSpeed {version}'s routines at {world} ranks ({k + 1} of {PROCESSES})")
                 out = Path(d, f"costs-{world}-{k}.json")
                 env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -55,9 +58,11 @@ def measure_host_costs(nproc: int, profile: str, log=print) -> dict:
                                      capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
                 if res.returncode != 0:
                     raise RuntimeError(f"timing DeepSpeed's routines failed:\n{res.stderr[-3000:]}")
-                runs.append(json.loads(out.read_text()))
+                runs[world].append(json.loads(out.read_text()))
+        paths = []
+        for world, docs in runs.items():
             merged = Path(d, f"costs-{world}.json")
-            merged.write_text(json.dumps(min_over_runs(runs)))
+            merged.write_text(json.dumps(min_over_runs(docs)))
             paths.append(str(merged))
         derived = derive(paths, exact=True)["0.19.8"]
     costs = {k: int(derived[k]) for k in FIELDS}
