@@ -244,10 +244,9 @@ def min_over_runs(docs: list[dict]) -> dict:
     minimum over the steps is within one."""
     first = docs[0]
     assert all((d["deepspeed"], d["world"]) == (first["deepspeed"], first["world"]) for d in docs)
-    calls = {}
     for routine, rows in first["calls"].items():
         assert all([c for _, c in d["calls"][routine]] == [c for _, c in rows] for d in docs), routine
-        calls[routine] = [[min(d["calls"][routine][i][0] for d in docs), c] for i, (_, c) in enumerate(rows)]
+    calls = {k: [[t, c] for t, c in v] for k, v in min_over_steps([d["calls"] for d in docs]).items()}
     prims = {k: min(d["primitives"][k] for d in docs) for k in first["primitives"]}
     return {**first, "calls": calls, "primitives": prims, "processes": len(docs)}
 
