@@ -55,8 +55,8 @@ from pathlib import Path
 from runtime.ds_host_old import OldRelease
 from runtime.ds_host_setup import (BUCKET, FFN, HIDDEN, LAYERS, LIVE, PERSISTENCE, PREFETCH_BUCKET, REUSE, STEPS,
                                    VOCAB, WORLD, fake_world, model_config, noop_handle)
-from runtime.ds_host_timing import (Recorder, clock, count_gathers, count_queue_pops, count_waits, fit, min_over_steps,
-                                    primitives)
+from runtime.ds_host_timing import (Recorder, clock, count_gathers, count_queue_pops, count_waits, cpu_name, fit,
+                                    min_over_steps, primitives)
 
 # The bucket flush timed alone (CurrentRelease.flush_sweep): gradients per flush, and
 # repeats of each (each count's minimum is kept). Only the parameters whose elements
@@ -274,12 +274,14 @@ def derive(paths: list[str], exact: bool = False) -> dict[str, dict[str, int]]:
     for version in sorted({d["deepspeed"] for d in docs}):
         ds = [d for d in docs if d["deepspeed"] == version]
 
-        def joint(routine, features, per_rank=(), rank=False, relative=False):
+        def joint(routine, features, per_rank=(), rank=False, relative=False, known_rank_ns=0.0):
             """``per_rank``: features whose cost also grows with the world (a loop over
-            ranks per item); ``rank``: a part of the fixed cost that does (``per_rank_ns``)."""
+            ranks per item); ``rank``: a part of the fixed cost that does (``per_rank_ns``);
+            ``known_rank_ns``: such a part measured apart, taken off each call first."""
             calls = []
             for d in ds:
                 for t, c in d["calls"].get(routine, []):
+                    t = t - known_rank_ns * d["world"]
                     c = dict(c)
                     for f in per_rank:
                         c[f"{f}_x_rank"] = c.get(f, 0) * d["world"]
@@ -294,11 +296,18 @@ def derive(paths: list[str], exact: bool = False) -> dict[str, dict[str, int]]:
         grad = joint("grad_hook", [])
         # The flush timed alone over 1-40 gradients where measured (0.19.8), fitted on
         # relative residuals; else the step's own flushes. Its fixed part grows with the
-        # world too: reduce_scatter_coalesced loops over the ranks once per flush (timed
-        # alone at 2 and 128 ranks: 0.27-0.37 us a rank; without the term a one-gradient
-        # flush at 128 ranks sits 6-12% above the fit).
+        # world too: reduce_scatter_coalesced chunks the flat buffer into one view per
+        # rank once per flush. Where the run timed torch.chunk's per view (primitives),
+        # that is the per-rank term, taken off before the fit; else it is fitted (the
+        # stored tables: an intercept between two worlds, 39% apart over three
+        # calibrations, where the chunk alone is within 1%).
         sweep = all(d["calls"].get("flush_sweep") for d in ds)
-        flush = joint("flush_sweep" if sweep else "flush", ["grad"], per_rank=("grad",), rank=True, relative=sweep)
+        chunk = [d["primitives"].get("chunk_view_ns") for d in ds]
+        chunk_ns = float(min(chunk)) if sweep and all(v is not None for v in chunk) else None
+        flush = joint("flush_sweep" if sweep else "flush", ["grad"], per_rank=("grad",), rank=chunk_ns is None,
+                      relative=sweep, known_rank_ns=chunk_ns or 0.0)
+        if chunk_ns is not None:
+            flush["per_rank_ns"] = chunk_ns
         debug = next((d["debug_string_ns"] for d in ds if d.get("debug_string_ns")), 0)
         small = [d for d in ds if d["world"] == min(x["world"] for x in ds)][0]
         prim = small["primitives"]
@@ -327,6 +336,7 @@ def derive(paths: list[str], exact: bool = False) -> dict[str, dict[str, int]]:
             "_fit": {"fetch_r2": fetch["r2"], "release_r2": release["r2"], "flush_r2": flush["r2"],
                      "fetch_rms_ns": fetch["rms_residual_ns"], "worlds": sorted(d["world"] for d in ds),
                      "flush_timed": f"alone, {FLUSH_COUNTS[0]}-{FLUSH_COUNTS[-1]} gradients" if sweep else "in the step",
+                     "flush_per_rank": "torch.chunk per view, timed alone" if chunk_ns is not None else "fitted",
                      "date": ds[0]["date"], "cpu": ds[0]["machine"]["cpu"]},
         }
     return out
@@ -373,25 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"hidden": HIDDEN, "ffn": FFN, "layers": LAYERS, "vocab": VOCAB},
         "config": {"prefetch_bucket": PREFETCH_BUCKET, "persistence": PERSISTENCE, "reuse": REUSE, "live": LIVE,
                    "reduce_bucket": args.bucket},
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},
         "date": datetime.date.today().isoformat(),
     }
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    fields = {}
-    for line in info:
-        k, _, v = line.partition(":")
-        fields.setdefault(k.strip(), v.strip())
-    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model "
-            f"{fields.get('model', '?')}, {fields.get('cpu MHz', '?')} MHz)")
 
 
 if __name__ == "__main__":

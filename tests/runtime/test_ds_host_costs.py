@@ -70,6 +70,20 @@ def test_derive_takes_the_flush_timed_alone_where_it_was(tmp_path):
     derived = H.derive([str(p) for p in paths])["0.19.8"]
     got = [derived[k] for k in ("reduce_flush_ns", "reduce_flush_rank_ns", "reduce_param_ns", "reduce_param_rank_ns")]
     assert got == [150_000, 300, 4_000, 2_000] and derived["_fit"]["flush_timed"] == "alone, 1-40 gradients"
+    assert derived["_fit"]["flush_per_rank"] == "fitted"
+    # where the runs timed torch.chunk's per view, that is the per-rank term (the least
+    # of the worlds' figures), taken off each call before the other three are fitted
+    for k, p in enumerate(paths):
+        doc = json.loads(p.read_text())
+        w = doc["world"]
+        doc["calls"]["flush_sweep"] = [[150_000 + 373 * w + n * (4_000 + 2_000 * w), {"grad": n}]
+                                       for n in H.FLUSH_COUNTS]
+        doc["primitives"]["chunk_view_ns"] = 373 + 20 * k
+        p.write_text(json.dumps(doc))
+    chunked = H.derive([str(p) for p in paths], exact=True)["0.19.8"]
+    got = [chunked[k] for k in ("reduce_flush_ns", "reduce_flush_rank_ns", "reduce_param_ns", "reduce_param_rank_ns")]
+    assert got == [150_000, 373, 4_000, 2_000]
+    assert chunked["_fit"]["flush_per_rank"] == "torch.chunk per view, timed alone"
     stored = H.derive([str(p) for p in STORED])["0.19.8"]
     assert stored["_fit"]["flush_timed"] == "in the step"
     assert {k: v for k, v in derived.items() if not k.startswith(("reduce_", "_"))} == \
@@ -121,7 +135,7 @@ def test_installed_deepspeed_is_timed_routine_by_routine(tmp_path):
     # every hook costs something, and a fetch that gathers costs more than one that does not
     assert fits["fetch"]["fixed_ns"] > 0 and fits["grad_hook"]["fixed_ns"] > 0
     assert fits["fetch"]["total_counts"]["gathered"] > 0
-    assert doc["primitives"]["torch_op_ns"] > 0
+    assert doc["primitives"]["torch_op_ns"] > 0 and doc["primitives"]["chunk_view_ns"] > 0
     # the flush alone at every count, dearer with more gradients
     sweep = doc["calls"]["flush_sweep"]
     assert [c["grad"] for _, c in sweep] == list(H.FLUSH_COUNTS)
