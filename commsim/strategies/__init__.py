@@ -99,11 +99,14 @@ def generate_fsdp2(md: ModelDescription, world: World, cfg: FSDP2Config, checkpo
                    device: str = "cuda") -> Schedule:
     """PyTorch FSDP2's step: one ``fully_shard`` per block plus the root, ``cfg``'s settings,
     on ``device`` ("cuda" or "cpu": torch's AdamW runs foreach on the one, single-tensor
-    on the other, torch/optim/optimizer.py ``_default_to_fused_or_foreach``)."""
+    on the other, torch/optim/optimizer.py ``_default_to_fused_or_foreach``; gloo on CPU
+    tensors completes FSDP2's ``async_op=False`` collectives before the call returns,
+    NCCL only orders them on the stream: strategies/fsdp2_comm.py)."""
     if device not in DEVICES:
         raise CommsimInputError(f"device {device!r}: allowed: {', '.join(DEVICES)}")
     foreach = device == "cuda"
-    lowering = FSDP2Lowering(md, world.size, cfg, costs or HostCosts(), checkpointing, checkpoint_style, foreach)
+    lowering = FSDP2Lowering(md, world.size, cfg, costs or HostCosts(), checkpointing, checkpoint_style, foreach,
+                             host_blocking=device == "cpu")
     program = lowering.program()
     lay = lowering.layout
     meta = ScheduleMeta(

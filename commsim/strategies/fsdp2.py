@@ -90,7 +90,8 @@ class FSDP2Lowering(FSDP2Kernels):
     """One rank's FSDP2 step. One instance lowers one step."""
 
     def __init__(self, md: ModelDescription, world_size: int, cfg: FSDP2Config, costs: HostCosts,
-                 checkpointing: bool, checkpoint_style: str = "reentrant", foreach: bool = True):
+                 checkpointing: bool, checkpoint_style: str = "reentrant", foreach: bool = True,
+                 host_blocking: bool = False):
         assert checkpoint_style in CHECKPOINT_STYLES, checkpoint_style
         self.md, self.cfg, self.costs = md, cfg, costs
         self.foreach = foreach  # torch's AdamW default: foreach on GPUs, single-tensor on CPUs
@@ -105,7 +106,7 @@ class FSDP2Lowering(FSDP2Kernels):
         self.b = ProgramBuilder()
         self.streams = Streams(self.b)
         self.comm = Comm(self.b, self.streams, costs, lay.shard, cfg.param_dtype, cfg.reduce_dtype, cfg.orig_dtype,
-                         cfg.offload, cfg.offload_pin_memory)
+                         cfg.offload, cfg.offload_pin_memory, host_blocking)
         self.gdt = DTYPES[cfg.param_dtype]  # gradients are computed in the compute dtype
         self.groups = [_Group(u) for u in lay.units]
         self.by_unit = {id(g.unit): g for g in self.groups}

@@ -266,3 +266,22 @@ def test_adamw_runs_foreach_on_gpus_and_single_tensor_per_parameter_on_cpus():
     # a gloo profile runs kernels on the host: the model lives on the CPU
     prof = Path(__file__).resolve().parents[2] / "traces" / "local-cpu" / "small_z2.profile.json"
     assert _device(Scenario(hw_profile=str(prof)), "fp32") == "cpu" and _device(Scenario(), "bf16") == "cuda"
+
+
+def test_on_cpus_every_collective_blocks_the_host_until_it_is_done():
+    """FSDP2 calls every collective with async_op=False: on NCCL the host runs on, on gloo
+    (CPU tensors) c10d's work.wait() blocks the caller until the collective completes, so
+    each one is followed at once by the host's wait for it, HSDP's all-reduce included."""
+    md = describe_model("tiny", 2, 16, 4)
+    for cfg, world in (({}, 2), ({"hsdp_replicas": 2}, 4)):
+        by = {d: generate_fsdp2(md, World(1, world), parse_fsdp_config(cfg), device=d) for d in ("cuda", "cpu")}
+        assert not any(isinstance(op, O.HostSync) and op.label.endswith("waited on the host") for op in step(by["cuda"]))
+        ops = step(by["cpu"])
+        for i, op in enumerate(ops):
+            if isinstance(op, O.Collective):
+                wait = ops[i + 1]
+                assert isinstance(wait, O.HostSync) and wait.scope is O.SyncScope.OPS and wait.deps == (op.id,)
+                assert wait.label == f"{op.label}: async_op=False, waited on the host"
+        waits = [op for op in ops if isinstance(op, O.HostSync) and op.label.endswith("waited on the host")]
+        assert len(waits) == len(colls(by["cpu"])) == len(colls(by["cuda"])) > 0
+        assert validate(by["cpu"]) == []
