@@ -409,7 +409,10 @@ def main() -> None:
             with_host_costs(row, cals[0])
         else:
             cals = [calibrated(row, i, "")]
-        sc = scenario(row, str(cfg_path), hw_profile=str(cals[0]))
+        # the executor's rows replay the schedule as a GPU runs it; DeepSpeed's and FSDP2's
+        # are the frameworks' own runs (their async_op=False collectives block the host)
+        runner = "framework" if row.runner == "deepspeed" or row.fsdp is not None else "executor"
+        sc = scenario(row, str(cfg_path), hw_profile=str(cals[0]), runner=runner)
         schedule = build_schedule(sc)[0]
         sched_path = work / f"sched{i}.json"
         save_schedule(schedule, sched_path)
@@ -433,8 +436,7 @@ def main() -> None:
                     profile = work / f"profile{i}.mean{tag}.json"
                     profile.write_text(json.dumps(mean, indent=1))
             # the executor's rows pay its own per-op costs; DeepSpeed's and FSDP2's do not
-            runner = "framework" if row.runner == "deepspeed" or row.fsdp is not None else "executor"
-            prediction = predict(replace(sc, hw_profile=str(profile), runner=runner))
+            prediction = predict(replace(sc, hw_profile=str(profile)))
             preds.append(prediction.metrics.step_time_s)
             ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace())
             for p, v in ph_meas.items():

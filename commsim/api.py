@@ -146,12 +146,21 @@ def _build_fsdp2(sc: Scenario):
     # FSDP2's hooks are not measured: its launches and hook cost are the defaults
     # (today's PyTorch dispatch and DeepSpeed 0.19.8's module hook; knobs.HostCosts)
     costs, source = _host_costs(sc, CURRENT.name)
+    device = _device(sc, cfg.param_dtype)
     schedule = generate_fsdp2(md, world, cfg, checkpointing=sc.checkpointing, costs=costs,
-                              checkpoint_style=sc.checkpoint_style, device=_device(sc, cfg.param_dtype))
+                              checkpoint_style=sc.checkpoint_style, device=device,
+                              host_blocking=_host_blocking(sc, device))
     schedule = replace(schedule, meta=replace(schedule.meta, host_costs=source))
     info = step_info(md, world.size, sc.nodes, cfg.gradient_accumulation_steps, sc.checkpointing,
                      cluster.node.price_usd_per_hour)
     return schedule, md, info, cfg.param_dtype
+
+
+def _host_blocking(sc: Scenario, device: str) -> bool:
+    """Whether the framework's ``async_op=False`` collectives block the host: the
+    framework's own run (not commsim's executor, which replays a schedule as a GPU runs
+    it) on a CPU backend (strategies/builder.py)."""
+    return device == "cpu" and sc.runner == "framework"
 
 
 def _device(sc: Scenario, precision: str) -> str:
@@ -199,7 +208,8 @@ def build_schedule(sc: Scenario):
         sc.warnings.extend(notes)
     costs, source = _host_costs(sc, version.name if ds.zero.stage == 3 else CURRENT.name)
     schedule = generate(md, world, ds, knobs, checkpointing=sc.checkpointing, grad_accum=gas, preset=sc.preset,
-                        checkpoint_style=sc.checkpoint_style, version=version, costs=costs)
+                        checkpoint_style=sc.checkpoint_style, version=version, costs=costs,
+                        host_blocking=_host_blocking(sc, _device(sc, ds.precision)))
     schedule = replace(schedule, meta=replace(schedule.meta, host_costs=source))
     info = step_info(md, world.size, sc.nodes, gas, sc.checkpointing, cluster.node.price_usd_per_hour)
     return schedule, md, info, ds.precision  # (the precision the release runs)

@@ -44,3 +44,25 @@ def test_fsdp2_scenarios_predict_with_the_seed_settings_by_default():
 def test_fsdp2_settings_and_deepspeed_settings_do_not_mix(changes, message):
     with pytest.raises(CommsimInputError, match=re.escape(message)):
         build_schedule(Scenario(model="roberta-large", nodes=2).with_(**changes))
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed", "fsdp2"])
+def test_a_frameworks_own_run_on_a_cpu_profile_waits_for_its_blocking_collectives(strategy):
+    """On a gloo profile the framework's run (runner "framework") waits on the host for
+    each async_op=False collective; commsim's executor replays the schedule as a GPU runs
+    it (runner "executor"), and on a GPU cluster nothing waits."""
+    from pathlib import Path
+
+    from commsim.ir import ops as O
+
+    prof = str(Path(__file__).resolve().parents[1] / "traces" / "local-cpu" / "small_z2.profile.json")
+    base = Scenario(model="tiny", nodes=1, gpus_per_node=2, strategy=strategy, micro_batch=2, seq=16,
+                    **({"ds_config": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}}
+                       if strategy == "deepspeed" else {}))
+
+    def waits(sc):
+        return sum(isinstance(op, O.HostSync) and op.label.endswith("async_op=False, waited on the host")
+                   for op in build_schedule(sc)[0].programs[0].step)
+
+    assert waits(base.with_(hw_profile=prof)) > 0
+    assert waits(base.with_(hw_profile=prof, runner="executor")) == 0 == waits(base)

@@ -98,9 +98,10 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    "--net asks for that GPU cluster, which only an nccl profile can price")
     p.add_argument("--runner", choices=("framework", "executor"), default="framework",
                    help="with --hw-profile: what runs the schedule on the profiled machine: a framework (DeepSpeed, "
-                   "FSDP2), whose host cost is the schedule's own host ops (default), or commsim's executor (commsim "
-                   "execute, to compare with its traces), which also pays its own per-op costs, measured into the "
-                   "profile by calibrate")
+                   "FSDP2), whose host cost is the schedule's own host ops and whose async_op=False collectives block "
+                   "the host on a CPU (gloo) profile (default), or commsim's executor (commsim execute, to compare with "
+                   "its traces), which replays the schedule as a GPU runs it and also pays its own per-op costs, "
+                   "measured into the profile by calibrate")
     p.add_argument("--extrapolate", action="store_true",
                    help="with --hw-profile: price collectives over more ranks than the profile measured (or placed "
                    "across nodes when it measured one node) from its nearest measured group, with a warning, instead "

@@ -102,7 +102,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
                   nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                   stage=args.stage, preset=args.preset, knobs=tuple(args.knob or ()), ds_config=args.ds_config,
                   micro_batch=args.micro_batch, seq=args.seq, checkpointing=not args.no_checkpointing,
-                  checkpoint_style=args.checkpoint_style, hw_profile=args.hw_profile)
+                  checkpoint_style=args.checkpoint_style, hw_profile=args.hw_profile, runner=args.runner)
     schedule = build_schedule(sc)[0]
     for w in sc.warnings:
         warn(w)
@@ -151,4 +151,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hw-profile", metavar="FILE",
                    help="price the host ops (framework hooks, launches) with the host costs this profile measured "
                    "(commsim calibrate --deepspeed-host-costs); the schedule records where its host costs came from")
+    p.add_argument("--runner", choices=("framework", "executor"), default="framework",
+                   help="with a CPU (gloo) --hw-profile: the schedule of the framework's own run, whose async_op=False "
+                   "collectives block the host (default), or one for commsim execute, which replays it as a GPU runs "
+                   "it")
     p.set_defaults(func=cmd_schedule)

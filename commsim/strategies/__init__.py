@@ -44,10 +44,12 @@ class World:
 def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Knobs,
              checkpointing: bool = True, grad_accum: int = 1, costs: HostCosts | None = None,
              preset: str = "", checkpoint_style: str = "reentrant",
-             version: DeepSpeedVersion | None = None) -> Schedule:
+             version: DeepSpeedVersion | None = None, host_blocking: bool = False) -> Schedule:
     """One step of ``md`` under ``ds`` on ``world``. ZeRO-3 follows ``version`` (by
     default the release ``preset`` names, else the current one) with ``knobs``; host
-    costs default to that release's measured ones."""
+    costs default to that release's measured ones. ``host_blocking``: DeepSpeed itself
+    on a backend that completes collectives on the host (gloo on CPUs): its
+    ``async_op=False`` collectives block the host (strategies/builder.py)."""
     stage = ds.zero.stage
     if version is None:
         version = VERSIONS[PRESET_VERSIONS[preset]] if preset in PRESET_VERSIONS else CURRENT
@@ -56,10 +58,13 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
         costs = costs or host_costs_for(version.name)
         lowering = Zero3Lowering(md, world.size, ds, knobs, costs, checkpointing, grad_accum,
                                  checkpoint_style, world.gpus_per_node, version)
+        lowering.b.host_blocking = host_blocking
         program = lowering.program()
     else:  # the ZeRO-3 knobs have nothing to act on in stages 0-2, which follow 0.19
-        program = Zero12Lowering(md, world.size, ds, costs or host_costs_for(CURRENT.name), checkpointing, grad_accum,
-                                 checkpoint_style).program()
+        z12 = Zero12Lowering(md, world.size, ds, costs or host_costs_for(CURRENT.name), checkpointing, grad_accum,
+                             checkpoint_style)
+        z12.b.host_blocking = host_blocking
+        program = z12.program()
     z = ds.zero
     meta = ScheduleMeta(
         model=md.name,
@@ -96,17 +101,18 @@ def generate(md: ModelDescription, world: World, ds: DeepSpeedConfig, knobs: Kno
 
 def generate_fsdp2(md: ModelDescription, world: World, cfg: FSDP2Config, checkpointing: bool = True,
                    costs: HostCosts | None = None, checkpoint_style: str = "reentrant",
-                   device: str = "cuda") -> Schedule:
+                   device: str = "cuda", host_blocking: bool | None = None) -> Schedule:
     """PyTorch FSDP2's step: one ``fully_shard`` per block plus the root, ``cfg``'s settings,
     on ``device`` ("cuda" or "cpu": torch's AdamW runs foreach on the one, single-tensor
     on the other, torch/optim/optimizer.py ``_default_to_fused_or_foreach``; gloo on CPU
     tensors completes FSDP2's ``async_op=False`` collectives before the call returns,
-    NCCL only orders them on the stream: strategies/fsdp2_comm.py)."""
+    NCCL only orders them on the stream: strategies/fsdp2_comm.py; ``host_blocking``
+    None: on "cpu")."""
     if device not in DEVICES:
         raise CommsimInputError(f"device {device!r}: allowed: {', '.join(DEVICES)}")
     foreach = device == "cuda"
     lowering = FSDP2Lowering(md, world.size, cfg, costs or HostCosts(), checkpointing, checkpoint_style, foreach,
-                             host_blocking=device == "cpu")
+                             host_blocking=device == "cpu" if host_blocking is None else host_blocking)
     program = lowering.program()
     lay = lowering.layout
     meta = ScheduleMeta(

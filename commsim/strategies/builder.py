@@ -4,6 +4,12 @@ Every op it makes carries the builder's current ``phase``: a generator sets
 ``builder.phase`` as it moves from forward to backward to the optimizer step, and the
 ops it emits in between (host work, allocations, syncs included) belong to that phase.
 Setup allocations are always ``Phase.SETUP``.
+
+``host_blocking``: the process group completes collectives on the host (gloo on CPU
+tensors), where c10d's ``work.wait()`` after a call with ``async_op=False`` blocks the
+calling thread until the collective is done (on NCCL it only orders the current
+stream). A generator marks such calls ``blocking``; with ``host_blocking`` set, the host
+then waits for each one right after issuing it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ class ProgramBuilder:
         self.step: list[O.Op] = []
         self.last_on_stream: dict[str, O.OpId] = {}
         self.phase = O.Phase.OTHER
+        self.host_blocking = False  # async_op=False collectives block the host (module docstring)
 
     def _id(self) -> O.OpId:
         self._next += 1
@@ -56,9 +63,13 @@ class ProgramBuilder:
 
     def collective(self, stream: str, label: str, kind: O.CollectiveKind, size_bytes: int, dtype: O.DType,
                    group: tuple[int, ...], reduce_op: O.ReduceOp | None = None, root: int | None = None,
-                   deps: tuple[O.OpId, ...] = (), buffers: tuple[str, ...] = ()) -> O.OpId:
-        return self._device(O.Collective(self._id(), stream, label, kind, size_bytes, dtype, group, reduce_op, root,
-                                         _dedup(deps), buffers, phase=self.phase))
+                   deps: tuple[O.OpId, ...] = (), buffers: tuple[str, ...] = (), blocking: bool = False) -> O.OpId:
+        """``blocking``: the framework calls it with ``async_op=False`` (see host_blocking)."""
+        op = self._device(O.Collective(self._id(), stream, label, kind, size_bytes, dtype, group, reduce_op, root,
+                                       _dedup(deps), buffers, phase=self.phase))
+        if blocking and self.host_blocking:
+            self.sync_ops((op,), f"{label}: async_op=False, waited on the host")
+        return op
 
     def copy(self, stream: str, label: str, direction: O.CopyDirection, size_bytes: int,
              deps: tuple[O.OpId, ...] = (), buffers: tuple[str, ...] = ()) -> O.OpId:

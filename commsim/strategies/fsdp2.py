@@ -106,7 +106,8 @@ class FSDP2Lowering(FSDP2Kernels):
         self.b = ProgramBuilder()
         self.streams = Streams(self.b)
         self.comm = Comm(self.b, self.streams, costs, lay.shard, cfg.param_dtype, cfg.reduce_dtype, cfg.orig_dtype,
-                         cfg.offload, cfg.offload_pin_memory, host_blocking)
+                         cfg.offload, cfg.offload_pin_memory)
+        self.b.host_blocking = host_blocking
         self.gdt = DTYPES[cfg.param_dtype]  # gradients are computed in the compute dtype
         self.groups = [_Group(u) for u in lay.units]
         self.by_unit = {id(g.unit): g for g in self.groups}

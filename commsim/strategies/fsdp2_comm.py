@@ -27,7 +27,8 @@ default ``unshard_async_op``, ``DefaultReduceScatter``, ``dist.all_reduce``), so
 calls ``work.wait()`` before returning. On NCCL that makes the current stream wait and
 the host runs on; on a backend that completes collectives on the host (gloo on CPU
 tensors) it blocks the calling thread until the collective is done: no prefetch or
-reduce-scatter overlaps the next layer's compute there (``host_blocking``).
+reduce-scatter overlaps the next layer's compute there (each is ``blocking``; the
+builder's ``host_blocking``).
 
 The state that decides when these run (``FSDPParamGroup``) is in fsdp2.py; these
 functions only emit ops and return what the caller keeps.
@@ -99,9 +100,8 @@ class Comm:
     """Emits one rank's FSDP2 collectives; counts them for unique buffer names."""
 
     def __init__(self, b: ProgramBuilder, streams: Streams, costs: HostCosts, shard: int, param_dtype: str,
-                 reduce_dtype: str, orig_dtype: str, offload: bool, pin_memory: bool, host_blocking: bool = False):
+                 reduce_dtype: str, orig_dtype: str, offload: bool, pin_memory: bool):
         self.b, self.streams, self.costs = b, streams, costs
-        self.host_blocking = host_blocking  # async_op=False blocks the host (a CPU backend; module docstring)
         self.shard = shard  # S: an unsharded parameter's storage is its rows padded to S
         self.pdt, self.rdt, self.odt = DTYPES[param_dtype], DTYPES[reduce_dtype], DTYPES[orig_dtype]
         self.mp = param_dtype != orig_dtype  # FSDPParam.param_dtype is set
@@ -161,13 +161,8 @@ class Comm:
         s.wait_stream(ALL_GATHER, COPY_IN)
         b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
         op = b.collective(ALL_GATHER, label, O.CollectiveKind.ALL_GATHER, u.padded * pb, self.pdt, group,
-                          deps=s.deps(ALL_GATHER), buffers=(out,))
-        self._wait_if_blocking(op, label)
+                          deps=s.deps(ALL_GATHER), buffers=(out,), blocking=True)
         return Gathered(out, op)
-
-    def _wait_if_blocking(self, op: O.OpId, label: str) -> None:
-        if self.host_blocking:
-            self.b.sync_ops((op,), f"{label}: async_op=False, waited on the host")
 
     def copy_out(self, u: Unit, g: Gathered, label: str) -> O.OpId:
         """``foreach_all_gather_copy_out`` on the compute stream; returns the copy (its event)."""
@@ -211,16 +206,15 @@ class Comm:
                       u.padded * rb, deps=s.deps(REDUCE_SCATTER), buffers=(rs_in,))
         b.host("reduce_scatter launch", O.HostKind.LAUNCH, c.collective_launch_ns)
         rs_event = b.collective(REDUCE_SCATTER, label, O.CollectiveKind.REDUCE_SCATTER, u.padded * rb, rdt,
-                                shard_group, reduce_op=op, deps=s.deps(REDUCE_SCATTER), buffers=(rs_in, rs_out))
-        self._wait_if_blocking(rs_event, label)
+                                shard_group, reduce_op=op, deps=s.deps(REDUCE_SCATTER), buffers=(rs_in, rs_out),
+                                blocking=True)
         post_stream = REDUCE_SCATTER
         ar_hold = None
         if replica_group is not None:
             s.wait_stream(ALL_REDUCE, REDUCE_SCATTER)
             b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            ar = b.collective(ALL_REDUCE, label.replace(".rs", ".ar", 1), O.CollectiveKind.ALL_REDUCE, n_shard * rb,
-                              rdt, replica_group, reduce_op=op, deps=s.deps(ALL_REDUCE), buffers=(rs_out,))
-            self._wait_if_blocking(ar, label.replace(".rs", ".ar", 1))
+            b.collective(ALL_REDUCE, label.replace(".rs", ".ar", 1), O.CollectiveKind.ALL_REDUCE, n_shard * rb, rdt,
+                         replica_group, reduce_op=op, deps=s.deps(ALL_REDUCE), buffers=(rs_out,), blocking=True)
             post_stream = ALL_REDUCE
         if post:
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)

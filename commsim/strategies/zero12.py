@@ -200,8 +200,9 @@ class Zero12Lowering:
             wait = ()
             bufs = (flat,)
         b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+        # stage_1_and_2.py:1497-1509: dist.all_reduce, async_op=False
         b.collective(s, label, O.CollectiveKind.ALL_REDUCE, elems * self.dt, self.dtype, self.group,
-                     reduce_op=O.ReduceOp.SUM, deps=wait, buffers=bufs)
+                     reduce_op=O.ReduceOp.SUM, deps=wait, buffers=bufs, blocking=True)
         b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
         # keep this rank's share: copy (stage 0: all of it) into the fp32 gradient
         keep = elems if self.stage == 0 else ceil(elems / self.W)
@@ -345,8 +346,9 @@ class Zero12Lowering:
             self._adam(n)
         if self.stage in (1, 2):
             b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            # runtime/utils.py:1016 all_gather_into_tensor_dp_groups: async_op=False
             b.collective(COMPUTE, "optimizer.allgather_params", O.CollectiveKind.ALL_GATHER,
-                         self.padded_total * self.dt, self.dtype, self.group, buffers=("params16",))
+                         self.padded_total * self.dt, self.dtype, self.group, buffers=("params16",), blocking=True)
 
     def _adam(self, n: int, free_grad: bool = False) -> None:
         b, c = self.b, self.costs

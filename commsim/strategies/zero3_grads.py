@@ -268,7 +268,7 @@ class GradReducer:
             b.host("reduce_scatter launch", O.HostKind.LAUNCH, c.collective_launch_ns)
             b.collective(s, f"bwd.rs{k}:{batch[0].name}" + (f"+{len(batch) - 1}" if len(batch) > 1 else ""),
                          O.CollectiveKind.REDUCE_SCATTER, size, lay.dtype, lay.groups.partition,
-                         reduce_op=O.ReduceOp.SUM, deps=wait, buffers=inp)
+                         reduce_op=O.ReduceOp.SUM, deps=wait, buffers=inp, blocking=True)  # cc:128: async_op=False
             wait = ()
             if lay.groups.replica is not None and self.at_boundary:
                 # MiCS: the shard's gradient partitions, scaled, all-reduced (coalesced)
@@ -279,7 +279,7 @@ class GradReducer:
                           shard * lay.dt, buffers=inp)
                 b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
                 b.collective(s, f"bwd.rs{k}.replica_allreduce", O.CollectiveKind.ALL_REDUCE, shard * lay.dt,
-                             lay.dtype, lay.groups.replica, reduce_op=O.ReduceOp.SUM, buffers=inp)
+                             lay.dtype, lay.groups.replica, reduce_op=O.ReduceOp.SUM, buffers=inp, blocking=True)
             if self.legacy:
                 # the shard is stored at the next flush (partition_previous_reduced_grads)
                 for buf_name in to_free:

@@ -351,3 +351,32 @@ def test_ds_config_errors():
     assert cfg.zero.max_live_parameters == 30_000_000 and cfg.zero.overlap_comm is True
     assert cfg.warnings == ("ds_config: colour: not a DeepSpeed key commsim knows; ignored",)
     assert parse_ds_config({"zero_optimization": {"stage": 2}}).zero.overlap_comm is False
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_on_a_host_completing_backend_waits_for_its_blocking_collectives(stage):
+    """DeepSpeed calls its reduce-scatters (reduce_scatter_coalesced), ZeRO-1/2's
+    all-reduces and the updated partitions' all-gather with async_op=False; on gloo each
+    blocks the host until done (host_blocking), while ZeRO-3's parameter all-gathers are
+    asynchronous handles. Without host_blocking (NCCL) the schedule has no such waits."""
+    md = describe(MODEL_PRESETS["tiny"], 2, 16)
+    cfg = parse_ds_config({"zero_optimization": {"stage": stage}})
+    by = {hb: generate(md, World(1, 2), cfg, knobs_from("current"), host_blocking=hb) for hb in (False, True)}
+    assert not any(isinstance(op, O.HostSync) and "async_op=False" in op.label for op in by[False].programs[0].step)
+    ops = list(by[True].programs[0].step)
+    blocking = {O.CollectiveKind.REDUCE_SCATTER, O.CollectiveKind.ALL_REDUCE} if stage == 3 else \
+        {O.CollectiveKind.ALL_REDUCE, O.CollectiveKind.ALL_GATHER}
+    waited = [op for i, op in enumerate(ops) if isinstance(op, O.Collective) and isinstance(ops[i + 1], O.HostSync)
+              and ops[i + 1].deps == (op.id,) and ops[i + 1].label == f"{op.label}: async_op=False, waited on the host"]
+    assert waited and {op.kind for op in waited} <= blocking
+    mine = [op for op in ops if isinstance(op, O.Collective) and op.kind in blocking and op.phase is not O.Phase.OPTIMIZER
+            or isinstance(op, O.Collective) and op.label == "optimizer.allgather_params"]
+    assert {op.id for op in mine} <= {op.id for op in waited}
+    if stage == 3:
+        assert colls(by[True], O.CollectiveKind.ALL_GATHER) and not any(
+            op.kind is O.CollectiveKind.ALL_GATHER for op in waited)
+    assert validate(by[True]) == []
+    # the same collectives, in the same order
+    same = [[(op.kind, op.size_bytes, op.label) for op in s.programs[0].step if isinstance(op, O.Collective)]
+            for s in by.values()]
+    assert same[0] == same[1]
