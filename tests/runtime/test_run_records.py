@@ -121,6 +121,7 @@ def test_profiler_trace_steps_phases_and_ops(fsdp):
     assert trace.meta.source is TraceSource.RECORDED and trace.meta.get("steps") == list(range(1, STEPS))
     assert trace.meta.get("backend") == "gloo" and trace.meta.get("ranks") == [0, 1]
     script = fsdp.timings  # rank 0's own timer of the same steps
+    phase_diffs: dict[str, list[float]] = {}
     for n in range(1, STEPS):
         recs = [r for r in trace.records if r.rank == 0 and r.step == n]
         (step,) = [r for r in recs if r.kind == "step"]
@@ -131,7 +132,11 @@ def test_profiler_trace_steps_phases_and_ops(fsdp):
         assert 0 <= step.duration_ns / 1e9 - script["step_times_s"][n] < 0.001, (n, step.duration_ns, script)
         phases = phase_times(recs)
         for ours, theirs in (("forward", "forward"), ("backward", "backward"), ("optimizer", "step")):
-            assert abs(phases[ours] / 1e9 - script["phase_times_s"][theirs][n]) < 0.0015, (ours, phases, script)
+            diff = abs(phases[ours] / 1e9 - script["phase_times_s"][theirs][n])
+            # a scheduler slice (two ranks and gloo's threads on two cores) can land in
+            # the statements between the two timers' boundaries: 1.7 and 2.5 ms seen
+            assert diff < 0.005, (ours, n, phases, script)
+            phase_diffs.setdefault(ours, []).append(diff)
         compute = [r for r in recs if r.stream == "compute"]
         # forward: each nn.Linear once (12 in the layers, 2 in the LM head) and the
         # attention's two matmuls per layer
@@ -141,6 +146,9 @@ def test_profiler_trace_steps_phases_and_ops(fsdp):
         assert not [r for r in compute if r.phase == "optimizer" and r.kind != "optimizer"]
         colls = [(r.kind, r.phase) for r in sorted(recs, key=lambda r: r.op_id) if r.stream == "comm"]
         assert colls == [("all_gather", "fwd")] * 3 + [("all_gather", "bwd")] * 2 + [("reduce_scatter", "bwd")] * 3
+    # and they end where the script's timer ends them but for those statements (within
+    # 0.25 ms measured) in the typical step
+    assert all(statistics.median(d) < 0.0015 for d in phase_diffs.values()), phase_diffs
 
 
 def test_compare_a_prediction_with_the_profiler_trace(fsdp):
