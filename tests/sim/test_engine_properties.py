@@ -201,11 +201,12 @@ def check_accounting(result: SimResult) -> None:
 
 
 def trace_key(result: SimResult, rank: int) -> list:
-    """A rank's records as comparable tuples. ready_ns only for device ops: the engine
-    never sets it on host records (0 before the step's shift, so minus the warm-up's
-    length after it)."""
-    return [(r.op.id, r.stream, r.issue_ns, r.start_ns, r.end_ns, r.ready_ns if r.stream != HOST else None)
-            for r in result.ranks[rank].records]
+    """A rank's records as comparable tuples, by op id (ops that end at the same instant
+    are recorded in whichever order their processes resume, which the two modes need not
+    share). ready_ns only for device ops: the engine never sets it on host records (0
+    before the step's shift, so minus the warm-up's length after it)."""
+    return sorted((int(r.op.id), r.stream, r.issue_ns, r.start_ns, r.end_ns, r.ready_ns if r.stream != HOST else None)
+                  for r in result.ranks[rank].records)
 
 
 # ---------------------------------------------------------------- properties
