@@ -20,8 +20,11 @@
   (STREAM, M1), LayerNorm at ``norm_bw_efficiency`` (M2), softmax at
   ``softmax_bw_efficiency`` (M3), dropout at ``dropout_bw_efficiency`` (G3); or at the
   fp32 CUDA-core peak if their flops take longer.
-* a fused attention core (kind ATTENTION, from older schedules) as before: its flops at
-  the GEMM rate of its matmul shape, or its bytes at ``hbm_efficiency``.
+* a fused attention kernel (kind ATTENTION: SDPA's FlashAttention-2 forward or backward,
+  or an older schedule's fused core): its flops at the fraction of the 16-bit peak that
+  FlashAttention-2 reaches (``GpuSpec.flash_attention_efficiency``, M3), or, on a GPU
+  without that figure or in fp32, at the GEMM rate of its matmul shape; or its bytes at
+  ``hbm_efficiency`` if they take longer.
 
 Every kernel pays ``GpuSpec.kernel_overhead_ns`` on the device. Host <-> device copies
 cross PCIe. A kernel's price is split into its arithmetic and its memory parts
@@ -58,6 +61,10 @@ class GpuKernels:
         self.align = ALIGN_BYTES // _PRECISION_BYTES[precision]
         peak = gpu.peak_tensor_flops_per_s
         self.flat_gemm_rate: float | None = None  # a rate whatever the shape
+        # a fused attention kernel's rate (None: its matmul shape's GEMM rate)
+        self.attention_rate: float | None = None
+        if precision in ("bf16", "fp16") and gpu.flash_attention_efficiency is not None:
+            self.attention_rate = peak * gpu.flash_attention_efficiency
         if precision == "fp32":
             self.gemm_peak = gpu.peak_fp32_flops_per_s
         elif precision == "tf32":
@@ -104,7 +111,8 @@ class GpuKernels:
             mem = op.bytes_read / self.mem_bw + write
             tiles = self._tiles(op.gemm)
         elif kind is O.ComputeKind.ATTENTION and op.gemm is not None:
-            flop, mem = op.flops / self.gemm_rate(op.gemm), nbytes / self.mem_bw
+            rate = self.gemm_rate(op.gemm) if self.attention_rate is None else self.attention_rate
+            flop, mem = op.flops / rate, nbytes / self.mem_bw
             tiles = self._tiles(op.gemm)
         else:
             flop = op.flops / self.gpu.peak_fp32_flops_per_s

@@ -53,6 +53,14 @@ class GpuSpec:
     # A GPU without bf16 tensor cores runs bf16 matmuls at this rate (None: at the
     # tensor peak like fp16).
     bf16_gemm_flops_per_s: float | None = None
+    # Fraction of the 16-bit tensor peak a fused attention kernel (FlashAttention-2, what
+    # SDPA runs for causal 16-bit attention on Ampere and Hopper) reaches, counting the
+    # matmul flops it does (causal: the half it computes). M3: 179.5 TFLOPS on A100-80GB
+    # (head dim 64, batch 2, seq 8192) = 0.575 of 312; 327.9 on H100 (head dim 128) =
+    # 0.332 of 989. M3 does not say whether forward, backward or both were timed: the
+    # figure prices both. None: no figure (V100 has no FlashAttention-2): a fused
+    # attention kernel runs at the GEMM rate of its matmul shape.
+    flash_attention_efficiency: float | None = None
     # Fixed device-side cost of any kernel (launch latency on the GPU, tail effects):
     # about 3-5 us for an empty kernel on A100/H100 (NVIDIA CUDA C++ Best Practices).
     kernel_overhead_ns: int = 4 * US
@@ -128,9 +136,10 @@ class ClusterSpec:
 # whitepapers (V100 80, A100 108, H100 SXM 132).
 # Kernel-class efficiencies (G1, M1-M3, G3) were measured on A100 and H100; the H200
 # (the H100's chip) takes the H100's, the V100 the A100's where it has no figure of its own.
-_HOPPER = dict(gemm_max_efficiency=0.80, hbm_efficiency=0.89)
-A100_40 = GpuSpec("A100-SXM4-40GB", 312 * TERA, 19.5 * TERA, 40 * 10**9, 1555 * GB, 108)
-A100_80 = GpuSpec("A100-SXM4-80GB", 312 * TERA, 19.5 * TERA, 80 * 10**9, 2039 * GB, 108)
+_HOPPER = dict(gemm_max_efficiency=0.80, hbm_efficiency=0.89, flash_attention_efficiency=327.9 / 989)
+_AMPERE = dict(flash_attention_efficiency=179.5 / 312)
+A100_40 = GpuSpec("A100-SXM4-40GB", 312 * TERA, 19.5 * TERA, 40 * 10**9, 1555 * GB, 108, **_AMPERE)
+A100_80 = GpuSpec("A100-SXM4-80GB", 312 * TERA, 19.5 * TERA, 80 * 10**9, 2039 * GB, 108, **_AMPERE)
 H100 = GpuSpec("H100-SXM5-80GB", 989 * TERA, 67 * TERA, 80 * 10**9, 3350 * GB, 132, **_HOPPER)
 H200 = GpuSpec("H200-SXM-141GB", 989 * TERA, 67 * TERA, 141 * 10**9, 4800 * GB, 132, **_HOPPER)
 # V100: G4's cuBLAS fp16 8192^3 reached 97.4 of 125 TFLOPS (0.78); it has no bf16 tensor

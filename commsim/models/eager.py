@@ -205,6 +205,28 @@ class Eager:
                kernel(f"{name}.grad_a", K.GEMM, (batch, m, k), a, batch * (m * n + k * n) * a, flops=ga.flops, gemm=ga))
         return Op((fwd,), bwd)
 
+    def sdpa(self, name: str, b: int, heads: int, kv_heads: int, s: int, hd: int) -> Op:
+        """``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with no mask, as
+        SDPA runs it in 16 bits on Ampere / Hopper: one fused FlashAttention kernel
+        (``_scaled_dot_product_flash_attention``) reading q, k, v (k and v with their own
+        heads: grouped queries need no repeat) and writing the output and the row
+        log-sum-exp (fp32); backward one kernel reading the gradient, q, k, v, the output
+        and the log-sum-exp, writing the three input gradients. Flops: the two matmuls
+        (4 b heads s^2 hd) over the half a causal kernel computes; backward recomputes the
+        scores and runs four more (2.5x, FlashAttention-2's count). ``gemm``: the score
+        matmul's shape, whose flops the forward's equal."""
+        a = self.a
+        q = b * heads * s * hd
+        kv = b * kv_heads * s * hd
+        lse = b * heads * s * FP32
+        fwd_flops = 4 * b * heads * s * s * hd // 2
+        g = GemmShape(s, s, hd, b * heads)
+        shape = (b, heads, s, hd)
+        fwd = kernel(name, K.ATTENTION, shape, a, (q + 2 * kv) * a, extra_written=lse, flops=fwd_flops, gemm=g)
+        bwd = kernel(f"{name}_bwd", K.ATTENTION, shape, a, (3 * q + 2 * kv) * a + lse, extra_written=2 * kv * a,
+                     flops=fwd_flops * 5 // 2, gemm=g)
+        return Op((fwd,), (bwd,))
+
     # ------------------------------------------------------------ row-wise kernels
     def softmax(self, name: str, shape: tuple[int, ...], elem: int | None = None) -> Op:
         """Softmax over the last dim (of ``elem``-byte elements); backward reads the

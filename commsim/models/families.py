@@ -168,10 +168,11 @@ def _llama(bd: Builder) -> None:
             # rotary module: the causal mask (full, triu, arange, compare, multiply; a
             # copy per batch row once a padding mask is given) and the rotary table
             # (cast of the positions, inv_freq x positions, cat, cos, sin, scale, casts)
+            # (with SDPA no mask: the kernel is told is_causal)
             mask = (e.cast("causal_mask.full", (s, s), 0, bd.dt), e.pointwise("causal_mask.triu", (s, s), s * s),
                     e.cast("causal_mask.arange", (s,), 0, 8), e.cast("causal_mask.gt", (s, s), 16, 1),
                     e.pointwise("causal_mask.mul", (s, s), s * s + s * s // bd.dt),
-                    e.pointwise("causal_mask.clone", (b, 1, s, s), s * s))
+                    e.pointwise("causal_mask.clone", (b, 1, s, s), s * s)) if c.attention == "eager" else ()
             f = 4
             rope = (e.cast("rotary.positions", (1, 1, s), 8, f),
                     e.bmm("rotary.freqs", 1, hd // 2, s, 1).fwd[0],
@@ -179,7 +180,8 @@ def _llama(bd: Builder) -> None:
                     e.cast("rotary.cos_scale", (1, s, hd), f, f), e.cast("rotary.sin", (1, s, hd), f, f),
                     e.cast("rotary.sin_scale", (1, s, hd), f, f), e.cast("rotary.cos_cast", (1, s, hd), f, bd.dt),
                     e.cast("rotary.sin_cast", (1, s, hd), f, bd.dt))
-            bd.module("model.rotary_emb", ModuleKind.OTHER, Role.NONE, None, Op(mask + rope))
+            # every layer's rotary muls keep cos and sin, the same two tensors
+            bd.module("model.rotary_emb", ModuleKind.OTHER, Role.NONE, None, Op(mask + rope), saved=2 * s * hd * bd.dt)
             for i in range(c.layers):
                 _llama_layer(bd, f"model.layers.{i}", i)
             bd.norm("model.norm", None, bias=False)
@@ -204,41 +206,69 @@ def _llama_layer(bd: Builder, L: str, i: int) -> None:
     hs = bd.hidden_shape
     kv = kvh * hd
     rep = c.heads // kvh
+    sdpa = c.attention == "sdpa"
+    # What autograd keeps for backward, by the module that makes it (checked against
+    # torch.autograd.graph.saved_tensors_hooks on the real layer: tests/models/
+    # test_hf_kernels.py). RMSNorm: the fp32 copy (pow and mul keep it), rsqrt's result,
+    # the bf16 cast (the weight's mul keeps it) and its output (the projections keep it).
+    # The projections' outputs q and k pass through rotary, whose muls keep only cos and
+    # sin; SDPA keeps v, the rotated q and k, its output and the log-sum-exp; eager
+    # attention keeps its matmuls' operands (q, k and v as copies or repeats), the fp32
+    # softmax and its bf16 cast (or the dropout's output and mask) and the context copy.
+    # The MLP keeps gate's, silu's, up's outputs and their product.
+    t, a = b * s, bd.dt
+    norm_saved = t * h * 4 + t * 4 + 2 * t * h * a
+    scores = b * c.heads * s * s
+    if sdpa:
+        attn_saved = t * h * a + t * kv * a + t * h * a + b * c.heads * s * 4
+    else:
+        attn_saved = 4 * t * h * a + scores * (4 + a) + (scores if c.p_attention > 0 else 0)
+    ffn_saved = t * c.ffn * a
     with bd.container(L, block=i):
         # the layer input feeds the norm and the residual
-        bd.norm(f"{L}.input_layernorm", i, bias=False, before=e.accumulate("input_grad_sum", hs))
+        bd.norm(f"{L}.input_layernorm", i, bias=False, before=e.accumulate("input_grad_sum", hs), saved=norm_saved)
         with bd.container(f"{L}.self_attn", block=i):
             # the normed input feeds q, k, v: backward runs v, k, q, summing k's and
             # q's input gradients into v's
+            # With SDPA v's gradient comes back in v's own (transposed) layout, so its view
+            # needs no copy; q's and k's pass through rotary's backward and do.
             bd.linear(f"{L}.self_attn.q_proj", h, h, Role.ATTENTION_QKV, i, bias=False,
-                      before=e.accumulate("input_grad_sum", hs), grad_copy=(b, s, c.heads, hd))
+                      before=e.accumulate("input_grad_sum", hs), grad_copy=(b, s, c.heads, hd), saved=0)
             bd.linear(f"{L}.self_attn.k_proj", h, kv, Role.ATTENTION_QKV, i, bias=False,
-                      before=e.accumulate("input_grad_sum", hs), grad_copy=(b, s, kvh, hd))
-            bd.linear(f"{L}.self_attn.v_proj", h, kv, Role.ATTENTION_QKV, i, bias=False, grad_copy=(b, s, kvh, hd))
-            # rotary on q and k (their outputs keep the transposed head layout), repeat_kv
-            # (a copy when grouped), then the attention (Llama's softmax in fp32; no
-            # dropout kernel at attention_dropout 0), charged to o_proj
+                      before=e.accumulate("input_grad_sum", hs), grad_copy=(b, s, kvh, hd), saved=0)
+            bd.linear(f"{L}.self_attn.v_proj", h, kv, Role.ATTENTION_QKV, i, bias=False,
+                      grad_copy=None if sdpa else (b, s, kvh, hd), saved=t * kv * a if sdpa else 0)
+            # rotary on q and k (their outputs keep the transposed head layout), then the
+            # attention, charged to o_proj. Eager: repeat_kv (a copy when grouped), the
+            # score chain (Llama's softmax in fp32; no dropout kernel at attention_dropout
+            # 0) and the context copy. SDPA: one fused kernel on k and v's own heads
+            # (enable_gqa), whose output is laid out as the context already is.
             grouped = rep > 1
             ops = [e.rotary("rotary_q", bd.heads_shape(), s, hd), e.rotary("rotary_k", bd.heads_shape(kvh), s, hd)]
-            if grouped:
-                ops += [e.repeat_kv("repeat_k", b, kvh, rep, s, hd), e.repeat_kv("repeat_v", b, kvh, rep, s, hd)]
-            ops += [bd.attention_scores(b * s * s, before_dropout=False, k_copy=not grouped, softmax_fp32=True),
-                    bd.attention_context(v_copy=not grouped)]
-            bd.linear(f"{L}.self_attn.o_proj", h, h, Role.ATTENTION_OUT, i, bias=False, before=chain(*ops))
+            if sdpa:
+                ops.append(e.sdpa("sdpa", b, c.heads, kvh, s, hd))
+            else:
+                if grouped:
+                    ops += [e.repeat_kv("repeat_k", b, kvh, rep, s, hd), e.repeat_kv("repeat_v", b, kvh, rep, s, hd)]
+                ops += [bd.attention_scores(b * s * s, before_dropout=False, k_copy=not grouped, softmax_fp32=True),
+                        bd.attention_context(v_copy=not grouped)]
+            bd.linear(f"{L}.self_attn.o_proj", h, h, Role.ATTENTION_OUT, i, bias=False, before=chain(*ops),
+                      saved=attn_saved)
         # the residual add between self_attn and this norm; its sum feeds the norm and
         # the second residual
         bd.norm(f"{L}.post_attention_layernorm", i, bias=False,
-                before=e.add("residual", hs) + e.accumulate("input_grad_sum", hs))
+                before=e.add("residual", hs) + e.accumulate("input_grad_sum", hs), saved=norm_saved)
         with bd.container(f"{L}.mlp", block=i):
             # down_proj(act_fn(gate_proj(x)) * up_proj(x)): gate, act, up, then the product
             # (charged to down_proj); x feeds gate and up
             ffn = (b, s, c.ffn)
-            bd.linear(f"{L}.mlp.gate_proj", h, c.ffn, Role.MLP, i, bias=False, before=e.accumulate("input_grad_sum", hs))
-            bd.activation(f"{L}.mlp.act_fn", i, ffn)
-            bd.linear(f"{L}.mlp.up_proj", h, c.ffn, Role.MLP, i, bias=False)
+            bd.linear(f"{L}.mlp.gate_proj", h, c.ffn, Role.MLP, i, bias=False, before=e.accumulate("input_grad_sum", hs),
+                      saved=ffn_saved)
+            bd.activation(f"{L}.mlp.act_fn", i, ffn, saved=ffn_saved)
+            bd.linear(f"{L}.mlp.up_proj", h, c.ffn, Role.MLP, i, bias=False, saved=ffn_saved)
             # the layer's last residual add, after the mlp: charged to its last module
             bd.linear(f"{L}.mlp.down_proj", c.ffn, h, Role.MLP, i, bias=False, before=e.mul("act_mul_up", ffn),
-                      after=e.add("residual", hs))
+                      after=e.add("residual", hs), saved=ffn_saved)
 
 
 LOWER = {"roberta": _roberta, "bert": _roberta, "gpt2": _gpt2, "llama": _llama}

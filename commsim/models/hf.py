@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from commsim.ir.errors import CommsimInputError
-from commsim.models.transformer import ACTIVATIONS, TransformerConfig
+from commsim.models.transformer import ACTIVATIONS, ATTENTIONS, TransformerConfig
 from commsim.util.files import read_json
 
 SUPPORTED = ("bert", "roberta", "xlm-roberta", "gpt2", "llama", "mistral")
@@ -57,6 +57,19 @@ def _get_act(cfg: dict[str, Any], path: Path, key: str) -> str | None:
     return v
 
 
+def _get_attention(cfg: dict[str, Any], path: Path) -> str:
+    """``attn_implementation`` (as saved by Hugging Face, also ``_attn_implementation``):
+    eager when absent, the catalogue's default."""
+    for key in ("attn_implementation", "_attn_implementation"):
+        v = cfg.get(key)
+        if v is None:
+            continue
+        if v not in ATTENTIONS:
+            raise CommsimInputError(f"{path}: field {key!r}={v!r} is not supported; supported: {', '.join(ATTENTIONS)}")
+        return v
+    return "eager"
+
+
 def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConfig:
     path = Path(path)
     cfg = read_json(path, CommsimInputError)
@@ -81,6 +94,7 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
             hidden_dropout=_get_prob(cfg, path, "hidden_dropout_prob"),
             attention_dropout=_get_prob(cfg, path, "attention_probs_dropout_prob"),
             activation=_get_act(cfg, path, "hidden_act"),
+            attention=_get_attention(cfg, path),
         )
     if mtype == "gpt2":
         hidden = _get(cfg, path, "n_embd", "hidden_size")
@@ -99,6 +113,7 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
             hidden_dropout=_get_prob(cfg, path, "resid_pdrop"),
             attention_dropout=_get_prob(cfg, path, "attn_pdrop"),
             activation=_get_act(cfg, path, "activation_function"),
+            attention=_get_attention(cfg, path),
         )
     heads = _get(cfg, path, "num_attention_heads")
     for unsupported in ("attention_bias", "mlp_bias"):
@@ -117,4 +132,5 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
         tie_embeddings=_get_bool(cfg, path, "tie_word_embeddings", False),
         attention_dropout=_get_prob(cfg, path, "attention_dropout"),
         activation=_get_act(cfg, path, "hidden_act"),
+        attention=_get_attention(cfg, path),
     )

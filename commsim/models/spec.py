@@ -89,6 +89,15 @@ class ModuleSpec:
     # container with parameters of its own (e.g. RoBERTa's lm_head, which owns the
     # decoder bias) is fetched before its children and released after them.
     encloses: int = 0
+    # Bytes of this module's forward outputs that autograd keeps for backward (saved
+    # tensors, each counted once, by the module that made it). None: not modelled for
+    # this module; every output of its forward kernels is kept (an upper bound).
+    saved_bytes: int | None = None
+
+    @property
+    def activation_bytes(self) -> int:
+        """What this module's forward leaves alive until its backward."""
+        return sum(k.bytes_written for k in self.fwd) if self.saved_bytes is None else self.saved_bytes
 
     @property
     def numel(self) -> int:

@@ -47,6 +47,11 @@ ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 # Hugging Face's defaults per family: hidden / attention dropout and the activation
 # (RobertaConfig / BertConfig: 0.1, 0.1, gelu; GPT2Config: resid_pdrop / attn_pdrop 0.1,
 # gelu_new; LlamaConfig: no hidden dropout, attention_dropout 0.0, silu).
+# How the attention core runs: "eager" (Hugging Face's matmul / softmax / matmul chain,
+# the catalogue's default) or "sdpa" (F.scaled_dot_product_attention, causal, no mask:
+# one fused FlashAttention kernel each way; Hugging Face's default attn_implementation
+# today), for the llama family.
+ATTENTIONS = ("eager", "sdpa")
 FAMILY_DEFAULTS = {"roberta": (0.1, 0.1, "gelu"), "bert": (0.1, 0.1, "gelu"), "gpt2": (0.1, 0.1, "gelu_new"),
                    "llama": (0.0, 0.0, "silu")}
 
@@ -68,6 +73,7 @@ class TransformerConfig:
     hidden_dropout: float | None = None
     attention_dropout: float | None = None
     activation: str | None = None
+    attention: str = "eager"  # one of ATTENTIONS
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -83,6 +89,12 @@ class TransformerConfig:
             p = getattr(self, field_name)
             if p is not None and not 0 <= p < 1:
                 raise CommsimInputError(f"model {self.name}: {field_name} must be in [0, 1), got {p}")
+        if self.attention not in ATTENTIONS:
+            raise CommsimInputError(f"model {self.name}: attention {self.attention!r} is not one of "
+                                    f"{', '.join(ATTENTIONS)}")
+        if self.attention == "sdpa" and self.family != "llama":
+            raise CommsimInputError(f"model {self.name}: attention 'sdpa' is modelled for the llama family only "
+                                    f"(this model is {self.family}); use 'eager'")
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise CommsimInputError(f"model {self.name}: activation {self.activation!r} is not one of "
                                     f"{', '.join(ACTIVATIONS)}")
@@ -131,12 +143,13 @@ class Builder:
         self.modules[index] = replace(self.modules[index], encloses=len(self.modules) - index - 1)
 
     def module(self, path: str, kind: ModuleKind, role: Role, block: int | None, op: Op,
-               params: tuple[ParamSpec, ...] = ()) -> None:
-        self.modules.append(ModuleSpec(path, kind, role, params, block, op.fwd, op.bwd))
+               params: tuple[ParamSpec, ...] = (), saved: int | None = None) -> None:
+        self.modules.append(ModuleSpec(path, kind, role, params, block, op.fwd, op.bwd, saved_bytes=saved))
 
     def linear(self, path: str, d_in: int, d_out: int, role: Role, block: int | None, bias: bool,
                weight_name: str | None = None, bias_name: str | None = None, before: Op = Op(),
-               after: Op = Op(), conv1d: bool = False, grad_copy: tuple[int, ...] | None = None) -> None:
+               after: Op = Op(), conv1d: bool = False, grad_copy: tuple[int, ...] | None = None,
+               saved: int | None = None) -> None:
         """A Linear (``conv1d``: GPT-2's Conv1D, weight stored in x out) with the work
         charged to it ``before`` and ``after`` its GEMM."""
         shape = (d_in, d_out) if conv1d else (d_out, d_in)
@@ -144,16 +157,16 @@ class Builder:
         if bias:
             params.append(ParamSpec(bias_name or f"{path}.bias", (d_out,)))
         op = before + self.e.linear("", self.t, d_in, d_out, bias, conv1d, grad_copy) + after
-        self.module(path, ModuleKind.LINEAR, role, block, op, tuple(params))
+        self.module(path, ModuleKind.LINEAR, role, block, op, tuple(params), saved)
 
-    def norm(self, path: str, block: int | None, bias: bool, before: Op = Op()) -> None:
+    def norm(self, path: str, block: int | None, bias: bool, before: Op = Op(), saved: int | None = None) -> None:
         """LayerNorm (``bias``) or Llama's RMSNorm (weight only)."""
         h, t = self.cfg.hidden, self.t
         params = [ParamSpec(f"{path}.weight", (h,))]
         if bias:
             params.append(ParamSpec(f"{path}.bias", (h,)))
         op = before + (self.e.layer_norm("norm", t, h) if bias else self.e.rms_norm("rms_norm", t, h))
-        self.module(path, ModuleKind.NORM, Role.NORM, block, op, tuple(params))
+        self.module(path, ModuleKind.NORM, Role.NORM, block, op, tuple(params), saved)
 
     def embedding(self, path: str, rows: int, block: int | None = None, tokens: int | None = None,
                   before: Op = Op(), after: Op = Op()) -> None:
@@ -167,10 +180,10 @@ class Builder:
         """An ``nn.Dropout`` module (no kernel at p = 0) with the work charged to it."""
         self.module(path, ModuleKind.OTHER, Role.NONE, block, before + self.e.dropout("dropout", shape, p) + after)
 
-    def activation(self, path: str, block: int, shape: tuple[int, ...]) -> None:
+    def activation(self, path: str, block: int, shape: tuple[int, ...], saved: int | None = None) -> None:
         act = self.cfg.act
         op = self.e.gelu_new(act, shape) if act == "gelu_new" else self.e.unary(act, shape)
-        self.module(path, ModuleKind.ACTIVATION, Role.NONE, block, op)
+        self.module(path, ModuleKind.ACTIVATION, Role.NONE, block, op, saved=saved)
 
     # ------------------------------------------------------------ shapes
     @property

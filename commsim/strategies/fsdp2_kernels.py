@@ -78,17 +78,20 @@ class FSDP2Kernels:
                     and self.block_first.get(m.block) == m.path:
                 self.b.alloc(f"{self.mb}ckpt:{m.block}", self._ckpt_bytes(m), COMPUTE,
                              f"checkpointed input of block {m.block}")
-            self.b.alloc(name, sum(k.bytes_written for k in m.fwd), COMPUTE, f"activation {m.path}")
-        return (name,)
+            if m.activation_bytes:  # a module whose outputs autograd does not keep has none
+                self.b.alloc(name, m.activation_bytes, COMPUTE, f"activation {m.path}")
+        return (name,) if m.activation_bytes else ()
 
     def _act_after(self, m: ModuleSpec, phase: Phase) -> None:
         if not m.fwd:
             return
         name = f"{self.mb}act:{m.path}"
         if phase is Phase.FORWARD and self.checkpointing and m.block is not None:
-            self.b.free(name, COMPUTE, "activation not kept (checkpointed block)")
+            if m.activation_bytes:
+                self.b.free(name, COMPUTE, "activation not kept (checkpointed block)")
         elif phase is Phase.BACKWARD:
-            self.b.free(name, COMPUTE, "activation consumed by backward")
+            if m.activation_bytes:
+                self.b.free(name, COMPUTE, "activation consumed by backward")
             if self.checkpointing and m.block is not None and self.block_first.get(m.block) == m.path:
                 self.b.free(f"{self.mb}ckpt:{m.block}", COMPUTE, f"checkpointed input of block {m.block}")
 

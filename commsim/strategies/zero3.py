@@ -128,8 +128,9 @@ class Zero3Lowering:
             self.grads.after_backward(m)
 
     # ------------------------------------------------------------ activations
-    # Outputs kept for backward (all of them without checkpointing; only each layer's
-    # input with it), re-created by the recompute pass.
+    # What autograd keeps for backward (ModuleSpec.activation_bytes) without
+    # checkpointing; with it, only each layer's input, the rest re-created by the
+    # recompute pass.
     def _act_buffer(self, mb: str, e: TraceEntry) -> tuple[str, ...]:
         m = e.module
         name = f"{mb}act:{m.path}"
@@ -138,8 +139,9 @@ class Zero3Lowering:
                 if self.block_first.get(m.block) == m.path:
                     self.b.alloc(f"{mb}ckpt:{m.block}", self._ckpt_bytes(m), COMPUTE,
                                  f"checkpointed input of layer {m.block}")
-            self.b.alloc(name, sum(k.bytes_written for k in m.fwd), COMPUTE, f"activation {m.path}")
-        return (name,)
+            if m.activation_bytes:  # a module whose outputs autograd does not keep has none
+                self.b.alloc(name, m.activation_bytes, COMPUTE, f"activation {m.path}")
+        return (name,) if m.activation_bytes else ()
 
     def _ckpt_bytes(self, first: ModuleSpec) -> int:
         """A layer's input: tokens x hidden, or what the layer's first module reads."""
@@ -151,9 +153,11 @@ class Zero3Lowering:
         m = e.module
         name = f"{mb}act:{m.path}"
         if e.phase is Phase.FORWARD and self.checkpointing and m.block is not None:
-            self.b.free(name, COMPUTE, "activation not kept (checkpointed layer)")
+            if m.activation_bytes:
+                self.b.free(name, COMPUTE, "activation not kept (checkpointed layer)")
         elif e.phase is Phase.BACKWARD:
-            self.b.free(name, COMPUTE, "activation consumed by backward")
+            if m.activation_bytes:
+                self.b.free(name, COMPUTE, "activation consumed by backward")
             if self.checkpointing and m.block is not None and self.block_first.get(m.block) == m.path:
                 self.b.free(f"{mb}ckpt:{m.block}", COMPUTE, f"checkpointed input of layer {m.block}")
 

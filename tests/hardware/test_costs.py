@@ -72,6 +72,24 @@ def test_gemm_misaligned_leading_dimension_and_precisions():
         SpecCostModel(v100, "int8")
 
 
+def test_fused_attention_at_flash_attentions_measured_rate():
+    """SDPA's fused kernel: its flops at M3's FlashAttention-2 fraction of the 16-bit peak
+    on A100 and H100; without that figure (V100) or in fp32, its score matmul's GEMM rate."""
+    b, heads, s, hd = 2, 32, 4096, 128
+    g = O.GemmShape(s, s, hd, b * heads)
+    flops = 4 * b * heads * s * s * hd // 2  # causal: the half it computes
+    q = b * heads * s * hd * 2
+    op = O.Compute(O.OpId(1), "c", "", O.ComputeKind.ATTENTION, flops, 3 * q, q + b * heads * s * 4, g)
+    a100 = SpecCostModel(cluster_preset("p4d", 1))
+    assert a100.compute_ns(op) == 4000 + int(flops / (312e12 * 179.5 / 312) * 1e9)
+    h100 = SpecCostModel(cluster_preset("dgx-h100", 1))
+    assert h100.compute_ns(op) == 4000 + int(flops / (989e12 * 327.9 / 989) * 1e9)
+    v100 = SpecCostModel(cluster_preset("p3dn", 1), "fp16")
+    assert v100.compute_ns(op) == 4000 + int(flops / v100.kernels.gemm_rate(g) * 1e9)
+    fp32 = SpecCostModel(cluster_preset("p4d", 1), "fp32")
+    assert fp32.compute_ns(op) == 4000 + int(flops / fp32.kernels.gemm_rate(g) * 1e9)
+
+
 def test_memory_bound_kernels_at_their_class_bandwidth():
     m = SpecCostModel(cluster_preset("p4d", 1))
     n = 2**28

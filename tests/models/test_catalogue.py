@@ -173,3 +173,29 @@ def test_dropout_at_zero_launches_nothing(tmp_path):
     path.write_text(json.dumps({**ROBERTA_BASE_CONFIG, "hidden_dropout_prob": 1.5}))
     with pytest.raises(CommsimInputError, match=r"field 'hidden_dropout_prob' must be a probability in \[0, 1\)"):
         load_hf_config(path)
+
+
+def test_sdpa_attention_from_the_config(tmp_path):
+    """attn_implementation "sdpa" (llama): one fused kernel each way in place of the score
+    chain, no causal-mask kernels; refused for the other families and for other values."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA2_7B_CONFIG, "attn_implementation": "sdpa"}))
+    cfg = load_hf_config(path)
+    assert cfg.attention == "sdpa"
+    d = describe(cfg, 2, 4096)
+    layer = [m for m in d.modules if m.block == 0]
+    att = [k for m in layer for k in m.fwd + m.bwd if k.kind.value == "attention"]
+    assert [k.name for k in att] == ["sdpa", "sdpa_bwd"]
+    causal = 4 * 2 * 32 * 4096 * 4096 * 128 // 2
+    assert att[0].flops == causal and att[1].flops == causal * 5 // 2
+    assert not any(k.kind.value == "softmax" for m in layer for k in m.fwd)
+    rotary = next(m for m in d.modules if m.path == "model.rotary_emb")
+    assert not any(k.name.startswith("causal_mask") for k in rotary.fwd)
+    assert _layer_counts("llama2-7b") == (48, 80)  # eager stays the default
+    path.write_text(json.dumps({**LLAMA2_7B_CONFIG, "attn_implementation": "flex_attention"}))
+    with pytest.raises(CommsimInputError, match=r"config.json: field 'attn_implementation'='flex_attention' is not "
+                                                r"supported; supported: eager, sdpa"):
+        load_hf_config(path)
+    path.write_text(json.dumps({**GPT2_CONFIG, "attn_implementation": "sdpa"}))
+    with pytest.raises(CommsimInputError, match=r"attention 'sdpa' is modelled for the llama family only"):
+        load_hf_config(path)

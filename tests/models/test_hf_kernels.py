@@ -10,6 +10,8 @@ written, elements written.
 
 Mapping (ATen call -> kernel):
 * ``mm``, ``addmm``, ``bmm`` -> a GEMM, shape from the operands;
+* SDPA's fused attention (on CPU ``_scaled_dot_product_flash_attention_for_cpu``, on CUDA
+  the FlashAttention kernel: one call each way with the same operands) -> ATTENTION;
 * ``native_layer_norm`` and its backward -> NORM; ``_softmax`` / ``_softmax_backward_data``
   -> SOFTMAX; ``sum`` / ``mean`` -> REDUCTION; ``embedding`` -> EMBEDDING; any other call
   that computes (copies, casts, ``clone``, ``cat``, pointwise math) -> ELEMENTWISE;
@@ -50,7 +52,9 @@ IGNORED = {"view", "_unsafe_view", "t", "transpose", "expand", "permute", "unsqu
            "lift_fresh"}
 GEMMS = {"mm", "addmm", "bmm"}
 KIND = {"native_layer_norm": "norm", "native_layer_norm_backward": "norm", "_softmax": "softmax",
-        "_softmax_backward_data": "softmax", "sum": "reduction", "mean": "reduction", "embedding": "embedding"}
+        "_softmax_backward_data": "softmax", "sum": "reduction", "mean": "reduction", "embedding": "embedding",
+        "_scaled_dot_product_flash_attention_for_cpu": "attention",
+        "_scaled_dot_product_flash_attention_for_cpu_backward": "attention"}
 
 
 def extent_bytes(t: "torch.Tensor") -> int:
@@ -99,6 +103,9 @@ class Recorder(TorchDispatchMode):
         if name in GEMMS:
             a_, b_ = (ins[1], ins[2]) if name == "addmm" else (ins[0], ins[1])
             gemm = (a_.shape[-2], b_.shape[-1], a_.shape[-1], a_.shape[0] if name == "bmm" else 1)
+        if KIND.get(name) == "attention":  # the score matmul's shape: (s, s_kv, head dim, batch x heads)
+            q, k = (ins[0], ins[1]) if not self.backward else (ins[1], ins[2])
+            gemm = (q.shape[2], k.shape[2], q.shape[3], q.shape[0] * q.shape[1])
         kind = "gemm" if name in GEMMS else KIND.get(name, "elementwise")
         self.kernels.append((kind, gemm, read, written, outs[0].numel()))
         return out
@@ -181,3 +188,76 @@ def test_llama_decoder_layer(kv_heads):
     want = catalogue(TransformerConfig("t", "llama", 1, h, heads, ffn, 100, kv_heads=kv_heads))
     assert got[0] == want[0]
     assert got[1] == want[1]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_llama_decoder_layer_sdpa(kv_heads):
+    """attn_implementation "sdpa" with no mask (causal): one fused attention call each
+    way, on k and v's own heads, and no repeat, score chain or context copy."""
+    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    h, heads, ffn = 64, 4, 176
+    hf = LlamaConfig(hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
+                     num_hidden_layers=1)
+    hf._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    x = hidden(h)
+    pos = torch.arange(S).unsqueeze(0)
+    cos, sin = LlamaRotaryEmbedding(hf)(x, pos)
+    got = profile(LlamaDecoderLayer(hf, layer_idx=0), x, attention_mask=None, position_embeddings=(cos, sin),
+                  position_ids=pos)
+    want = catalogue(TransformerConfig("t", "llama", 1, h, heads, ffn, 100, kv_heads=kv_heads, attention="sdpa"))
+    assert [k for k in got[0] if k[0] == "attention"] == [("attention", (S, S, h // heads, B * heads),
+                                                            (B * S * h + 2 * B * S * kv_heads * h // heads) * 2,
+                                                            B * S * h * 2 + B * heads * S * 4, B * S * h)]
+    assert got[0] == want[0]
+    assert got[1] == want[1]
+
+
+def saved_bytes(layer, x, **kwargs) -> int:
+    """Bytes of the distinct tensors autograd keeps for the layer's backward, less the
+    parameters and what existed before the call (the input, the rotary table)."""
+    before = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), x, *tree_flatten(kwargs)[0]]
+              if isinstance(t, torch.Tensor)}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in before:
+            kept[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, **kwargs)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("attention, kv_heads, p", [("sdpa", 2, 0.0), ("sdpa", 4, 0.0), ("eager", 2, 0.0),
+                                                    ("eager", 4, 0.0), ("eager", 4, 0.1)])
+def test_llama_saved_activations(attention, kv_heads, p):
+    """The catalogue's saved bytes of a Llama layer's modules (``ModuleSpec.saved_bytes``)
+    sum to what autograd really keeps for that layer's backward."""
+    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    h, heads, ffn = 64, 4, 176
+    hf = LlamaConfig(hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
+                     num_hidden_layers=1, attention_dropout=p)
+    hf._attn_implementation = attention
+    torch.manual_seed(0)
+    x = hidden(h)
+    pos = torch.arange(S).unsqueeze(0)
+    cos, sin = LlamaRotaryEmbedding(hf)(x, pos)
+    mask = None if attention == "sdpa" else torch.zeros(B, 1, S, S, dtype=torch.bfloat16)
+    layer = LlamaDecoderLayer(hf, layer_idx=0).to(torch.bfloat16).train()
+    got = saved_bytes(layer, x, attention_mask=mask, position_embeddings=(cos.to(torch.bfloat16), sin.to(torch.bfloat16)),
+                      position_ids=pos)
+    cfg = TransformerConfig("t", "llama", 1, h, heads, ffn, 100, kv_heads=kv_heads, attention=attention,
+                            attention_dropout=p)
+    md = describe(cfg, B, S, 2, torch=PYTORCH_2)
+    want = sum(m.activation_bytes for m in md.modules if m.block == 0)
+    # dropout on CPU keeps its bf16 noise tensor where CUDA's native_dropout keeps a
+    # one-byte mask (the catalogue's)
+    cpu_noise = B * heads * S * S * (2 - 1) if p > 0 else 0
+    assert got == want + cpu_noise
+    # every module of the layer says what it keeps: none falls back to all its outputs
+    assert all(m.saved_bytes is not None for m in md.modules if m.block == 0 and m.fwd)
