@@ -62,11 +62,41 @@ def _roberta(bd: Builder) -> None:
                       after=e.cross_entropy("loss", t, c.vocab))
 
 
+def _act_saved(bd: Builder) -> tuple[int, int]:
+    """What autograd keeps of an MLP's first projection and of its activation: gelu,
+    gelu_pytorch_tanh and silu keep their input (the projection's output), relu its
+    output; the projection after keeps the activation's output. GPT-2's ``gelu_new``
+    keeps x (pow's), 0.5 x, tanh's result and 1 + tanh (the last mul's operands)."""
+    one = bd.t * bd.cfg.ffn * bd.dt
+    act = bd.cfg.act
+    if act == "relu":
+        return 0, one
+    if act == "gelu_new":
+        return one, 4 * one
+    return one, one
+
+
+def _dropout_saved(bd: Builder, elems: int, p: float) -> int:
+    """A dropout's one-byte mask (native_dropout keeps it; p = 0 launches nothing)."""
+    return elems if p > 0 else 0
+
+
 def _roberta_layer(bd: Builder, L: str, i: int) -> None:
     c, e = bd.cfg, bd.e
     h, t = c.hidden, bd.t
     hs = bd.hidden_shape
     ctx = (bd.b, bd.s, c.heads, c.head_dim)
+    # What autograd keeps for backward, by the module that makes it (checked against
+    # saved_tensors_hooks on the real layer: tests/models/test_hf_kernels.py). The
+    # projections' outputs are copied for the matmuls, whose copies are kept (q, k, v),
+    # as are the softmax's output, the dropout's mask and output and the context copy
+    # (the output projection's input). A LayerNorm keeps its input (the residual sum),
+    # mean and rstd (fp32) and its output (the next projections' input, and the next
+    # layer's). The MLP keeps what its activation and second projection need.
+    a, sc = bd.dt, bd.b * c.heads * bd.s * bd.s
+    attn_saved = 4 * t * h * a + sc * a + (sc * (1 + a) if c.p_attention > 0 else 0)
+    norm_saved = 2 * t * h * a + 2 * t * 4
+    fc_saved, act_saved = _act_saved(bd)
     with bd.container(L, block=i):
         with bd.container(f"{L}.attention", block=i):
             with bd.container(f"{L}.attention.self", block=i):
@@ -74,24 +104,27 @@ def _roberta_layer(bd: Builder, L: str, i: int) -> None:
                 # gradient is summed into the residual's
                 for name in ("query", "key", "value"):
                     bd.linear(f"{L}.attention.self.{name}", h, h, Role.ATTENTION_QKV, i, bias=True,
-                              before=e.accumulate("input_grad_sum", hs), grad_copy=ctx)
+                              before=e.accumulate("input_grad_sum", hs), grad_copy=ctx, saved=0)
                 # scores and softmax run between value's hooks and the dropout module's,
                 # AV and the context copy after it: all charged to the dropout
                 bd.dropout(f"{L}.attention.self.dropout", i, (bd.b, c.heads, bd.s, bd.s), c.p_attention,
-                           before=bd.attention_scores(mask_elems=bd.b * bd.s), after=bd.attention_context())
+                           before=bd.attention_scores(mask_elems=bd.b * bd.s), after=bd.attention_context(),
+                           saved=attn_saved)
             with bd.container(f"{L}.attention.output", block=i):
-                bd.linear(f"{L}.attention.output.dense", h, h, Role.ATTENTION_OUT, i, bias=True)
-                bd.dropout(f"{L}.attention.output.dropout", i, hs, c.p_hidden)
-                bd.norm(f"{L}.attention.output.LayerNorm", i, bias=True, before=e.add("residual", hs))
+                bd.linear(f"{L}.attention.output.dense", h, h, Role.ATTENTION_OUT, i, bias=True, saved=0)
+                bd.dropout(f"{L}.attention.output.dropout", i, hs, c.p_hidden,
+                           saved=_dropout_saved(bd, t * h, c.p_hidden))
+                bd.norm(f"{L}.attention.output.LayerNorm", i, bias=True, before=e.add("residual", hs),
+                        saved=norm_saved)
         with bd.container(f"{L}.intermediate", block=i):
             # the attention output feeds the MLP and its residual
             bd.linear(f"{L}.intermediate.dense", h, c.ffn, Role.MLP, i, bias=True,
-                      before=e.accumulate("input_grad_sum", hs))
-            bd.activation(f"{L}.intermediate.intermediate_act_fn", i, (bd.b, bd.s, c.ffn))
+                      before=e.accumulate("input_grad_sum", hs), saved=fc_saved)
+            bd.activation(f"{L}.intermediate.intermediate_act_fn", i, (bd.b, bd.s, c.ffn), saved=act_saved)
         with bd.container(f"{L}.output", block=i):
-            bd.linear(f"{L}.output.dense", c.ffn, h, Role.MLP, i, bias=True)
-            bd.dropout(f"{L}.output.dropout", i, hs, c.p_hidden)
-            bd.norm(f"{L}.output.LayerNorm", i, bias=True, before=e.add("residual", hs))
+            bd.linear(f"{L}.output.dense", c.ffn, h, Role.MLP, i, bias=True, saved=0)
+            bd.dropout(f"{L}.output.dropout", i, hs, c.p_hidden, saved=_dropout_saved(bd, t * h, c.p_hidden))
+            bd.norm(f"{L}.output.LayerNorm", i, bias=True, before=e.add("residual", hs), saved=norm_saved)
     assert t == bd.t
 
 
@@ -132,29 +165,40 @@ def _gpt2_block(bd: Builder, L: str, i: int) -> None:
     h, b, s = c.hidden, bd.b, bd.s
     hs = bd.hidden_shape
     heads = (b, s, c.heads, c.head_dim)
+    # What autograd keeps, by the module that makes it (as in _roberta_layer): ln_1 keeps
+    # the block input (made by the previous block's last residual add, which counts it),
+    # mean, rstd and its output; the score matmul keeps the q and k copies, the softmax
+    # its output, the dropout its mask and output; c_proj's input side v's copy and the
+    # context copy; ln_2 the residual sum, mean, rstd and its output; the last residual
+    # sum is the next block's ln_1 input.
+    t, a, sc = b * s, bd.dt, b * c.heads * s * s
+    fc_saved, act_saved = _act_saved(bd)
     with bd.container(L, block=i):
         # the block input feeds ln_1 and the residual
-        bd.norm(f"{L}.ln_1", i, bias=True, before=e.accumulate("input_grad_sum", hs))
+        bd.norm(f"{L}.ln_1", i, bias=True, before=e.accumulate("input_grad_sum", hs), saved=t * h * a + 2 * t * 4)
         with bd.container(f"{L}.attn", block=i):
             # c_attn's output is split into q, k, v (views); backward copies the q and v
             # gradients out of their head layout and concatenates the three
             cat = Op(bwd=(e.pointwise("qkv_grad_copy", heads, b * s * h), e.pointwise("qkv_grad_copy", heads, b * s * h),
                           e.pointwise("qkv_grad_cat", (b, s, 3 * h), 3 * b * s * h)))
-            bd.linear(f"{L}.attn.c_attn", h, 3 * h, Role.ATTENTION_QKV, i, bias=True, conv1d=True, after=cat)
+            bd.linear(f"{L}.attn.c_attn", h, 3 * h, Role.ATTENTION_QKV, i, bias=True, conv1d=True, after=cat, saved=0)
             bd.dropout(f"{L}.attn.attn_dropout", i, (b, c.heads, s, s), c.p_attention,
-                       before=bd.attention_scores(mask_elems=b * s * s))
+                       before=bd.attention_scores(mask_elems=b * s * s),
+                       saved=2 * t * h * a + sc * a + (sc * (1 + a) if c.p_attention > 0 else 0))
             bd.linear(f"{L}.attn.c_proj", h, h, Role.ATTENTION_OUT, i, bias=True, conv1d=True,
-                      before=bd.attention_context())
-            bd.dropout(f"{L}.attn.resid_dropout", i, hs, c.p_hidden)
+                      before=bd.attention_context(), saved=2 * t * h * a)
+            bd.dropout(f"{L}.attn.resid_dropout", i, hs, c.p_hidden, saved=_dropout_saved(bd, t * h, c.p_hidden))
         # the residual add runs in the block between attn and ln_2; its sum feeds ln_2
         # and the second residual
-        bd.norm(f"{L}.ln_2", i, bias=True, before=e.add("residual", hs) + e.accumulate("input_grad_sum", hs))
+        bd.norm(f"{L}.ln_2", i, bias=True, before=e.add("residual", hs) + e.accumulate("input_grad_sum", hs),
+                saved=2 * t * h * a + 2 * t * 4)
         with bd.container(f"{L}.mlp", block=i):
-            bd.linear(f"{L}.mlp.c_fc", h, c.ffn, Role.MLP, i, bias=True, conv1d=True)
-            bd.activation(f"{L}.mlp.act", i, (b, s, c.ffn))
-            bd.linear(f"{L}.mlp.c_proj", c.ffn, h, Role.MLP, i, bias=True, conv1d=True)
+            bd.linear(f"{L}.mlp.c_fc", h, c.ffn, Role.MLP, i, bias=True, conv1d=True, saved=fc_saved)
+            bd.activation(f"{L}.mlp.act", i, (b, s, c.ffn), saved=act_saved)
+            bd.linear(f"{L}.mlp.c_proj", c.ffn, h, Role.MLP, i, bias=True, conv1d=True, saved=0)
             # the block's last residual add: after the mlp, charged to its last module
-            bd.dropout(f"{L}.mlp.dropout", i, hs, c.p_hidden, after=e.add("residual", hs))
+            bd.dropout(f"{L}.mlp.dropout", i, hs, c.p_hidden, after=e.add("residual", hs),
+                       saved=_dropout_saved(bd, t * h, c.p_hidden) + t * h * a)
 
 
 def _llama(bd: Builder) -> None:
@@ -223,7 +267,8 @@ def _llama_layer(bd: Builder, L: str, i: int) -> None:
         attn_saved = t * h * a + t * kv * a + t * h * a + b * c.heads * s * 4
     else:
         attn_saved = 4 * t * h * a + scores * (4 + a) + (scores if c.p_attention > 0 else 0)
-    ffn_saved = t * c.ffn * a
+    fc_saved, act_saved = _act_saved(bd)
+    ffn_saved = t * c.ffn * a  # up's output and the product
     with bd.container(L, block=i):
         # the layer input feeds the norm and the residual
         bd.norm(f"{L}.input_layernorm", i, bias=False, before=e.accumulate("input_grad_sum", hs), saved=norm_saved)
@@ -263,8 +308,8 @@ def _llama_layer(bd: Builder, L: str, i: int) -> None:
             # (charged to down_proj); x feeds gate and up
             ffn = (b, s, c.ffn)
             bd.linear(f"{L}.mlp.gate_proj", h, c.ffn, Role.MLP, i, bias=False, before=e.accumulate("input_grad_sum", hs),
-                      saved=ffn_saved)
-            bd.activation(f"{L}.mlp.act_fn", i, ffn, saved=ffn_saved)
+                      saved=fc_saved)
+            bd.activation(f"{L}.mlp.act_fn", i, ffn, saved=act_saved)
             bd.linear(f"{L}.mlp.up_proj", h, c.ffn, Role.MLP, i, bias=False, saved=ffn_saved)
             # the layer's last residual add, after the mlp: charged to its last module
             bd.linear(f"{L}.mlp.down_proj", c.ffn, h, Role.MLP, i, bias=False, before=e.mul("act_mul_up", ffn),

@@ -176,9 +176,10 @@ class Builder:
         self.module(path, ModuleKind.EMBEDDING, Role.EMBEDDING, block, op, params)
 
     def dropout(self, path: str, block: int | None, shape: tuple[int, ...], p: float, before: Op = Op(),
-                after: Op = Op()) -> None:
+                after: Op = Op(), saved: int | None = None) -> None:
         """An ``nn.Dropout`` module (no kernel at p = 0) with the work charged to it."""
-        self.module(path, ModuleKind.OTHER, Role.NONE, block, before + self.e.dropout("dropout", shape, p) + after)
+        self.module(path, ModuleKind.OTHER, Role.NONE, block, before + self.e.dropout("dropout", shape, p) + after,
+                    saved=saved)
 
     def activation(self, path: str, block: int, shape: tuple[int, ...], saved: int | None = None) -> None:
         act = self.cfg.act

@@ -261,3 +261,39 @@ def test_llama_saved_activations(attention, kv_heads, p):
     assert got == want + cpu_noise
     # every module of the layer says what it keeps: none falls back to all its outputs
     assert all(m.saved_bytes is not None for m in md.modules if m.block == 0 and m.fwd)
+
+
+@pytest.mark.parametrize("family, p", [("roberta", 0.1), ("roberta", 0.0), ("gpt2", 0.1), ("gpt2", 0.0)])
+def test_roberta_and_gpt2_saved_activations(family, p):
+    """RoBERTa's layer and GPT-2's block: the catalogue's saved bytes against autograd's,
+    with dropout (p 0.1, Hugging Face's default) and without. Three CPU differences are
+    taken off: LayerNorm keeps mean and rstd in bf16 (CUDA: fp32), dropout keeps its bf16
+    noise (CUDA: a one-byte mask), and the layer's output, which the catalogue counts
+    where it is made, is kept by the next layer, not run here."""
+    h, heads, ffn = 64, 4, 256
+    if family == "roberta":
+        from transformers.models.roberta.modeling_roberta import RobertaConfig, RobertaLayer
+
+        hf = RobertaConfig(hidden_size=h, num_attention_heads=heads, intermediate_size=ffn, num_hidden_layers=1,
+                           hidden_dropout_prob=p, attention_probs_dropout_prob=p)
+        hf._attn_implementation = "eager"
+        layer, mask = RobertaLayer(hf), torch.zeros(B, 1, 1, S, dtype=torch.bfloat16)
+        cfg = TransformerConfig("t", "roberta", 1, h, heads, ffn, 100, max_positions=S + 2, hidden_dropout=p,
+                                attention_dropout=p)
+    else:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2Config
+
+        hf = GPT2Config(n_embd=h, n_head=heads, n_layer=1, resid_pdrop=p, attn_pdrop=p, embd_pdrop=p)
+        hf._attn_implementation = "eager"
+        layer, mask = GPT2Block(hf, layer_idx=0), torch.zeros(B, 1, S, S, dtype=torch.bfloat16)
+        cfg = TransformerConfig("t", "gpt2", 1, h, heads, 4 * h, 100, max_positions=S, hidden_dropout=p,
+                                attention_dropout=p)
+    torch.manual_seed(0)
+    x = hidden(h)
+    got = saved_bytes(layer.to(torch.bfloat16).train(), x, attention_mask=mask)
+    md = describe(cfg, B, S, 2, torch=PYTORCH_2)
+    t = B * S
+    want = sum(m.activation_bytes for m in md.modules if m.block == 0)
+    dropped = 2 * t * h + B * heads * S * S if p > 0 else 0  # the two hidden dropouts' and the attention's elements
+    assert got == want - 2 * (2 * t * 2) + dropped * (2 - 1) - t * h * 2
+    assert all(m.saved_bytes is not None for m in md.modules if m.block == 0 and m.fwd)
