@@ -37,6 +37,8 @@ SKIPPED = {
     "commsim schedule --model tiny --nodes 1 --gpus-per-node 2 --micro-batch 2 --seq 16 -o tiny.json":
         "launches torch ranks (tests/report/test_kineto.py executes and exports a schedule)",
     "commsim export traces/local-cpu/small_z3_opt.json.gz": "reads the repository's stored traces, from its root",
+    "python bench/validate_published.py": "a script of the repository, from its root; about a minute "
+        "(tests/test_validate_published.py runs it on some items)",
     "printf '{}\\n' > fsdp.json":
         "runs real FSDP2 and DeepSpeed under torchrun (tests/runtime/test_run_records.py does)",
 }
