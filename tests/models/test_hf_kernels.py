@@ -170,46 +170,41 @@ def test_gpt2_block():
     assert got[1] == want[1]
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4])
-def test_llama_decoder_layer(kv_heads):
+def llama_layer(attention: str, kv_heads: int, p: float = 0.0):
+    """A LlamaDecoderLayer (bf16, training mode) with its input and call arguments (eager
+    gets an additive mask, SDPA none: causal), and the catalogue's config of it."""
     from transformers.models.llama.modeling_llama import LlamaConfig, LlamaDecoderLayer, LlamaRotaryEmbedding
 
     h, heads, ffn = 64, 4, 176
     hf = LlamaConfig(hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
-                     num_hidden_layers=1)
-    hf._attn_implementation = "eager"
+                     num_hidden_layers=1, attention_dropout=p)
+    hf._attn_implementation = attention
     torch.manual_seed(0)
     x = hidden(h)
     pos = torch.arange(S).unsqueeze(0)
     cos, sin = LlamaRotaryEmbedding(hf)(x, pos)
-    mask = torch.zeros(B, 1, S, S, dtype=torch.bfloat16)
-    got = profile(LlamaDecoderLayer(hf, layer_idx=0), x, attention_mask=mask, position_embeddings=(cos, sin),
+    mask = None if attention == "sdpa" else torch.zeros(B, 1, S, S, dtype=torch.bfloat16)
+    kwargs = dict(attention_mask=mask, position_embeddings=(cos.to(torch.bfloat16), sin.to(torch.bfloat16)),
                   position_ids=pos)
-    want = catalogue(TransformerConfig("t", "llama", 1, h, heads, ffn, 100, kv_heads=kv_heads))
-    assert got[0] == want[0]
-    assert got[1] == want[1]
+    cfg = TransformerConfig("t", "llama", 1, h, heads, ffn, 100, kv_heads=kv_heads, attention=attention,
+                            attention_dropout=p)
+    return LlamaDecoderLayer(hf, layer_idx=0), x, kwargs, cfg
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_llama_decoder_layer_sdpa(kv_heads):
-    """attn_implementation "sdpa" with no mask (causal): one fused attention call each
-    way, on k and v's own heads, and no repeat, score chain or context copy."""
-    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    h, heads, ffn = 64, 4, 176
-    hf = LlamaConfig(hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
-                     num_hidden_layers=1)
-    hf._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    x = hidden(h)
-    pos = torch.arange(S).unsqueeze(0)
-    cos, sin = LlamaRotaryEmbedding(hf)(x, pos)
-    got = profile(LlamaDecoderLayer(hf, layer_idx=0), x, attention_mask=None, position_embeddings=(cos, sin),
-                  position_ids=pos)
-    want = catalogue(TransformerConfig("t", "llama", 1, h, heads, ffn, 100, kv_heads=kv_heads, attention="sdpa"))
-    assert [k for k in got[0] if k[0] == "attention"] == [("attention", (S, S, h // heads, B * heads),
-                                                            (B * S * h + 2 * B * S * kv_heads * h // heads) * 2,
-                                                            B * S * h * 2 + B * heads * S * 4, B * S * h)]
+def test_llama_decoder_layer(attention, kv_heads):
+    """Eager: the score chain, repeat_kv when grouped. SDPA (no mask: causal): one fused
+    attention call each way, on k and v's own heads, and no repeat, score chain or
+    context copy."""
+    layer, x, kwargs, cfg = llama_layer(attention, kv_heads)
+    got = profile(layer, x, **kwargs)
+    want = catalogue(cfg)
+    if attention == "sdpa":
+        h, heads = cfg.hidden, cfg.heads
+        assert [k for k in got[0] if k[0] == "attention"] == [("attention", (S, S, h // heads, B * heads),
+                                                                (B * S * h + 2 * B * S * kv_heads * h // heads) * 2,
+                                                                B * S * h * 2 + B * heads * S * 4, B * S * h)]
     assert got[0] == want[0]
     assert got[1] == want[1]
 
@@ -237,27 +232,13 @@ def saved_bytes(layer, x, **kwargs) -> int:
 def test_llama_saved_activations(attention, kv_heads, p):
     """The catalogue's saved bytes of a Llama layer's modules (``ModuleSpec.saved_bytes``)
     sum to what autograd really keeps for that layer's backward."""
-    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    h, heads, ffn = 64, 4, 176
-    hf = LlamaConfig(hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
-                     num_hidden_layers=1, attention_dropout=p)
-    hf._attn_implementation = attention
-    torch.manual_seed(0)
-    x = hidden(h)
-    pos = torch.arange(S).unsqueeze(0)
-    cos, sin = LlamaRotaryEmbedding(hf)(x, pos)
-    mask = None if attention == "sdpa" else torch.zeros(B, 1, S, S, dtype=torch.bfloat16)
-    layer = LlamaDecoderLayer(hf, layer_idx=0).to(torch.bfloat16).train()
-    got = saved_bytes(layer, x, attention_mask=mask, position_embeddings=(cos.to(torch.bfloat16), sin.to(torch.bfloat16)),
-                      position_ids=pos)
-    cfg = TransformerConfig("t", "llama", 1, h, heads, ffn, 100, kv_heads=kv_heads, attention=attention,
-                            attention_dropout=p)
+    layer, x, kwargs, cfg = llama_layer(attention, kv_heads, p)
+    got = saved_bytes(layer.to(torch.bfloat16).train(), x, **kwargs)
     md = describe(cfg, B, S, 2, torch=PYTORCH_2)
     want = sum(m.activation_bytes for m in md.modules if m.block == 0)
     # dropout on CPU keeps its bf16 noise tensor where CUDA's native_dropout keeps a
     # one-byte mask (the catalogue's)
-    cpu_noise = B * heads * S * S * (2 - 1) if p > 0 else 0
+    cpu_noise = B * cfg.heads * S * S * (2 - 1) if p > 0 else 0
     assert got == want + cpu_noise
     # every module of the layer says what it keeps: none falls back to all its outputs
     assert all(m.saved_bytes is not None for m in md.modules if m.block == 0 and m.fwd)
