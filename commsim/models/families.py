@@ -76,7 +76,7 @@ def _act_saved(bd: Builder) -> tuple[int, int]:
     return one, one
 
 
-def _dropout_saved(bd: Builder, elems: int, p: float) -> int:
+def _dropout_saved(elems: int, p: float) -> int:
     """A dropout's one-byte mask (native_dropout keeps it; p = 0 launches nothing)."""
     return elems if p > 0 else 0
 
@@ -113,7 +113,7 @@ def _roberta_layer(bd: Builder, L: str, i: int) -> None:
             with bd.container(f"{L}.attention.output", block=i):
                 bd.linear(f"{L}.attention.output.dense", h, h, Role.ATTENTION_OUT, i, bias=True, saved=0)
                 bd.dropout(f"{L}.attention.output.dropout", i, hs, c.p_hidden,
-                           saved=_dropout_saved(bd, t * h, c.p_hidden))
+                           saved=_dropout_saved(t * h, c.p_hidden))
                 bd.norm(f"{L}.attention.output.LayerNorm", i, bias=True, before=e.add("residual", hs),
                         saved=norm_saved)
         with bd.container(f"{L}.intermediate", block=i):
@@ -123,7 +123,7 @@ def _roberta_layer(bd: Builder, L: str, i: int) -> None:
             bd.activation(f"{L}.intermediate.intermediate_act_fn", i, (bd.b, bd.s, c.ffn), saved=act_saved)
         with bd.container(f"{L}.output", block=i):
             bd.linear(f"{L}.output.dense", c.ffn, h, Role.MLP, i, bias=True, saved=0)
-            bd.dropout(f"{L}.output.dropout", i, hs, c.p_hidden, saved=_dropout_saved(bd, t * h, c.p_hidden))
+            bd.dropout(f"{L}.output.dropout", i, hs, c.p_hidden, saved=_dropout_saved(t * h, c.p_hidden))
             bd.norm(f"{L}.output.LayerNorm", i, bias=True, before=e.add("residual", hs), saved=norm_saved)
     assert t == bd.t
 
@@ -187,7 +187,7 @@ def _gpt2_block(bd: Builder, L: str, i: int) -> None:
                        saved=2 * t * h * a + sc * a + (sc * (1 + a) if c.p_attention > 0 else 0))
             bd.linear(f"{L}.attn.c_proj", h, h, Role.ATTENTION_OUT, i, bias=True, conv1d=True,
                       before=bd.attention_context(), saved=2 * t * h * a)
-            bd.dropout(f"{L}.attn.resid_dropout", i, hs, c.p_hidden, saved=_dropout_saved(bd, t * h, c.p_hidden))
+            bd.dropout(f"{L}.attn.resid_dropout", i, hs, c.p_hidden, saved=_dropout_saved(t * h, c.p_hidden))
         # the residual add runs in the block between attn and ln_2; its sum feeds ln_2
         # and the second residual
         bd.norm(f"{L}.ln_2", i, bias=True, before=e.add("residual", hs) + e.accumulate("input_grad_sum", hs),
@@ -198,7 +198,7 @@ def _gpt2_block(bd: Builder, L: str, i: int) -> None:
             bd.linear(f"{L}.mlp.c_proj", c.ffn, h, Role.MLP, i, bias=True, conv1d=True, saved=0)
             # the block's last residual add: after the mlp, charged to its last module
             bd.dropout(f"{L}.mlp.dropout", i, hs, c.p_hidden, after=e.add("residual", hs),
-                       saved=_dropout_saved(bd, t * h, c.p_hidden) + t * h * a)
+                       saved=_dropout_saved(t * h, c.p_hidden) + t * h * a)
 
 
 def _llama(bd: Builder) -> None:
