@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
+from runtime.calibrate_cpu import cpu_cores
 from runtime.executor import RankExecutor, RankOptions
 from runtime.timing import HostTimer, latency_bandwidth, per_call
 
@@ -32,6 +33,7 @@ class HostMeasurements:
     device: Any
     quick: bool
     min_s: float
+    ranks_per_node: int
 
     def launch_costs(self) -> dict[str, Any] | None:
         """CPUs: a framework's host cost per kernel on this machine, for the schedule's
@@ -79,7 +81,14 @@ class HostMeasurements:
         it), and no synchronise after it (the allocation queues nothing). With malloc
         (CPUs) the table matters: glibc reuses heap pages below its mmap threshold (up
         to 32 MiB) and maps fresh ones above it, so the cost per byte jumps across it;
-        sizes on both sides of 32 MiB are measured."""
+        sizes on both sides of 32 MiB are measured.
+
+        On CPUs each call is timed in the thread's own CPU time, then scaled to the
+        profile's convention for host work (wall time with every rank of the node busy:
+        one core's worth / the core share, ``Platform.cpu.core_share``). Wall time would
+        do with a core per rank, but with more ranks than cores the ranks leaving the
+        barrier preempt each other: the first size allocated after it waited for a
+        core, 4 KiB measured 380-403 us on 4 ranks over 2 cores (50 us on 2)."""
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 30 << 20, 34 << 20, 64 << 20]
         if self.quick:
             sizes = [4 << 10, 1 << 20, 16 << 20, 34 << 20]
@@ -88,16 +97,17 @@ class HostMeasurements:
         else:
             make = (lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device))
         rounds = 4 if self.quick else 8
+        clock, busy = self._host_work_clock()
         times: dict[int, list[float]] = {n: [] for n in sizes}
         for r in range(rounds + 1):
             dist.barrier()
             live = []
             for n in sizes:
                 self.sync()  # GPUs: the device idle, as cudaMalloc waits for it
-                t = time.perf_counter()
+                t = clock()
                 live.append(make(n))
                 if r:  # the first round warms the heap up
-                    times[n].append(time.perf_counter() - t)
+                    times[n].append((clock() - t) / busy)
             del live
             if self.platform.caching_allocator:  # each round's allocations are cudaMalloc calls, not cache hits
                 self.sync()
@@ -107,6 +117,18 @@ class HostMeasurements:
         a, bw = latency_bandwidth(pts)
         self.log("allocation: " + ", ".join(f"{n / 2**20:g} MiB {t * 1e3:.2f} ms" for n, t in pts))
         return a, 1.0 / bw, [[int(x), y] for x, y in pts]
+
+    def _host_work_clock(self) -> tuple[Any, float]:
+        """The clock for host work and the core share its readings are divided by. GPUs:
+        the wall clock, share 1 (each rank has its own core; cudaMalloc's time is the
+        host's). CPUs: the thread's CPU time (kernel time of its page faults included;
+        waits for a core excluded), divided by cores / ranks so that the profile holds
+        wall time with every rank busy, as for every other host cost it measures
+        (the simulator takes one core's worth back, ``Simulation.core_work_ns``)."""
+        if self.platform.caching_allocator:
+            return time.perf_counter, 1.0
+        share = min(1.0, cpu_cores() / self.ranks_per_node)
+        return time.thread_time, share
 
     def allocator_stats(self) -> dict[str, int] | None:
         """GPUs: the caching allocator's statistics after the calibration
@@ -133,19 +155,20 @@ class HostMeasurements:
             return 0.0
         n = 64 << 20
         rounds = 3 if self.quick else 6
+        clock, busy = self._host_work_clock()  # thread CPU time: see alloc
         per_round = []
         for r in range(rounds + 1):
             dist.barrier()
             x = torch.empty(n, dtype=torch.uint8, device=self.device)
-            t0 = time.perf_counter()
+            t0 = clock()
             x.fill_(1)
-            t1 = time.perf_counter()
+            t1 = clock()
             x.fill_(2)
-            t2 = time.perf_counter()
+            t2 = clock()
             del x
-            t3 = time.perf_counter()
+            t3 = clock()
             if r:  # the first round warms the code path up
-                per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n)
+                per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n / busy)
         mean = self.agree(max(0.0, statistics.fmean(per_round)))  # see _together
         self.log(f"first touch of fresh pages: {mean * 1e9:.3f} ns/B")
         return mean
