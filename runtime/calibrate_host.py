@@ -101,6 +101,7 @@ class HostMeasurements:
         times: dict[int, list[float]] = {n: [] for n in sizes}
         for r in range(rounds + 1):
             dist.barrier()
+            make(sizes[0])  # the first allocation after the barrier runs cold: not timed
             live = []
             for n in sizes:
                 self.sync()  # GPUs: the device idle, as cudaMalloc waits for it
