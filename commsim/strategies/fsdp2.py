@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from commsim.ir import ops as O
 from commsim.ir.ops import Phase
 from commsim.models.spec import ModelDescription
+from commsim.strategies.activations import Activations
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.fsdp2_comm import (AG_STREAMS, COMPUTE, COPY_IN, DTYPES, REDUCE_SCATTER, Comm, Gathered,
                                            Reduced, Streams)
@@ -115,10 +116,7 @@ class FSDP2Lowering(FSDP2Kernels):
         for i, g in enumerate(blocks):  # runtime/examples/fsdp_train.py sets them this way
             g.forward_prefetch = blocks[i + 1:i + 1 + cfg.forward_prefetch]
             g.backward_prefetch = blocks[max(0, i - cfg.backward_prefetch):i][::-1] if cfg.backward_prefetch else []
-        self.block_first = {}
-        for m in md.modules:
-            if m.block is not None and m.fwd:  # the activation bookkeeping is by forward kernels
-                self.block_first.setdefault(m.block, m.path)
+        self.acts = Activations(self.b, md, COMPUTE, self.checkpointing)
         # FSDPCommContext / FSDPStateContext
         self.all_gather_state: tuple[str, O.OpId] | None = None
         self.post_forward_order: list[_Group] = []
@@ -206,6 +204,7 @@ class FSDP2Lowering(FSDP2Kernels):
                 self._pre_backward(g)
             self._kernels(g, tuple(reversed(modules)), Phase.BACKWARD)
             self._post_backward(g)
+        self.acts.end_backward()
         self._final_callback()
 
     # ------------------------------------------------------------ hooks (FSDPState / FSDPParamGroup)

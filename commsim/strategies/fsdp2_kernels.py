@@ -1,6 +1,7 @@
-"""The kernels and activations of FSDP2's step: each module's forward, recompute and
-backward kernels on the compute stream, with the parameters, gradients and activation
-buffers they read and write (a mixin of ``fsdp2.FSDP2Lowering``, whose state it uses)."""
+"""The kernels of FSDP2's step: each module's forward, recompute and backward kernels
+on the compute stream, with the parameters, gradients and activation buffers
+(``activations.Activations``) they read and write (a mixin of ``fsdp2.FSDP2Lowering``,
+whose state it uses)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class FSDP2Kernels:
             if not kernels:
                 continue
             grads, new = self._grads_for(g, m) if phase is Phase.BACKWARD else ((), ())
-            act = self._act_before(m, phase)
+            act = self.acts.before(mb, m, phase)
             for k in kernels:
                 b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
                 suffix = "" if k.name in ("fwd", "bwd") else f".{k.name}"
@@ -43,7 +44,7 @@ class FSDP2Kernels:
                 self._elementwise(f"{mb}{m.path}.accumulate_grad", n, 2 * n * self.gdt.itemsize_bytes,
                                   n * self.gdt.itemsize_bytes, (f"ugrad:{pname}", name))
                 b.free(name, COMPUTE, "new gradient (accumulated)")
-            self._act_after(m, phase)
+            self.acts.after(mb, m, phase)
 
     def _params_of(self, m: ModuleSpec) -> tuple[str, ...]:
         return tuple(dict.fromkeys(f"param:{p.name}" for p in m.params))
@@ -66,37 +67,3 @@ class FSDP2Kernels:
                     g.ugrads.add(p.name)
             grads.append(name)
         return tuple(grads), tuple(new)
-
-    def _act_before(self, m: ModuleSpec, phase: Phase) -> tuple[str, ...]:
-        """Activations: every forward output kept for backward without checkpointing; with
-        it, only each block's input, the rest re-created by the recompute."""
-        if not m.fwd:
-            return ()
-        name = f"{self.mb}act:{m.path}"
-        if phase in (Phase.FORWARD, Phase.RECOMPUTE):
-            if phase is Phase.FORWARD and self.checkpointing and m.block is not None \
-                    and self.block_first.get(m.block) == m.path:
-                self.b.alloc(f"{self.mb}ckpt:{m.block}", self._ckpt_bytes(m), COMPUTE,
-                             f"checkpointed input of block {m.block}")
-            if m.activation_bytes:  # a module whose outputs autograd does not keep has none
-                self.b.alloc(name, m.activation_bytes, COMPUTE, f"activation {m.path}")
-        return (name,) if m.activation_bytes else ()
-
-    def _act_after(self, m: ModuleSpec, phase: Phase) -> None:
-        if not m.fwd:
-            return
-        name = f"{self.mb}act:{m.path}"
-        if phase is Phase.FORWARD and self.checkpointing and m.block is not None:
-            if m.activation_bytes:
-                self.b.free(name, COMPUTE, "activation not kept (checkpointed block)")
-        elif phase is Phase.BACKWARD:
-            if m.activation_bytes:
-                self.b.free(name, COMPUTE, "activation consumed by backward")
-            if self.checkpointing and m.block is not None and self.block_first.get(m.block) == m.path:
-                self.b.free(f"{self.mb}ckpt:{m.block}", COMPUTE, f"checkpointed input of block {m.block}")
-
-    def _ckpt_bytes(self, first: ModuleSpec) -> int:
-        if self.md.arch is not None:
-            return self.md.tokens * self.md.arch.hidden * self.md.dtype_bytes
-        return max(1, sum(k.bytes_written for k in first.fwd))
-

@@ -35,6 +35,7 @@ which the allocation's ``touch_bytes`` says), ``grads_in_partition`` (made at th
 step's first reduction), one fp64 copy per gradient piece for the norm, and the flat
 fp32 gradient the optimizer steps on. On GPUs the caching allocator serves them from
 its cache; on CPUs large ones are fresh pages, and their first writes dominate.
+Activations and activation gradients are ``activations.Activations``, as in ZeRO-3.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from commsim.ir import ops as O
 from commsim.ir.ops import Phase
 from commsim.ir.errors import CommsimInputError
 from commsim.models.spec import ModelDescription, ParamSpec
+from commsim.strategies.activations import Activations
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.knobs import HostCosts
@@ -72,6 +74,7 @@ class Zero12Lowering:
         self.dtype = {"bf16": O.DType.BF16, "fp16": O.DType.FP16, "fp32": O.DType.FP32}[ds.precision]
         self.rs_stream = "reduce" if (self.stage == 2 and z.overlap_comm) else COMPUTE
         self.b = ProgramBuilder()
+        self.acts = Activations(self.b, md, COMPUTE, checkpointing)
         self.params = md.registered_params()
         self.total = sum(p.numel for p in self.params)
         # each parameter's start in the flat buffer (registration order)
@@ -265,11 +268,13 @@ class Zero12Lowering:
                     self.live_grads.add(p.name)
                     b.alloc(f"grad:{p.name}", p.numel * self.dt, COMPUTE, f"gradient {p.name}")
             grads = tuple(f"grad:{p.name}" for p in m.params)
+        act = self.acts.before(mb, m, e.phase)
         for k in kernels:
             b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
             suffix = "" if k.name in ("fwd", "bwd") else f".{k.name}"
             b.compute(COMPUTE, f"{mb}{m.path}.{e.phase.value}{suffix}", k.kind, k.flops, k.bytes_read, k.bytes_written,
-                      k.gemm, buffers=("params16",) + grads)
+                      k.gemm, buffers=("params16",) + grads + act)
+        self.acts.after(mb, m, e.phase)
         if e.phase is Phase.BACKWARD and m.bwd and self.stage == 2:
             # gradient hooks: each parameter's gradient is ready after its last use;
             # autograd accumulates a Linear's bias before its weight
@@ -381,6 +386,7 @@ class Zero12Lowering:
             for e in self.trace:
                 self.b.phase = e.phase
                 self._run(mb, e)
+            self.acts.end_backward()
             last = micro == self.grad_accum - 1
             if self.stage == 2:
                 if self.bucket:  # epilogue: the last bucket

@@ -18,8 +18,8 @@ emits the setup state, and for each micro-step walks the trace: a hook call fetc
 through the coordinator, the module's kernels run on the compute stream (with its
 activations and, in backward, its gradients), its post hook releases; at the end of
 backward the reducer's epilogue runs, and after the last micro-step the optimizer
-step. Activations live here: every output kept for backward without checkpointing,
-only each layer's input with it, re-created by the recompute.
+step. Activations (what each module keeps, checkpointed layer inputs, and the
+activation gradients of backward) are ``activations.Activations``.
 
 Every gathered parameter, flat buffer, gradient, bucket and activation is an
 alloc / free with its real size, so the allocator model sees DeepSpeed's pattern.
@@ -30,7 +30,8 @@ from __future__ import annotations
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.ops import Phase
-from commsim.models.spec import Kernel, ModelDescription, ModuleSpec
+from commsim.models.spec import Kernel, ModelDescription
+from commsim.strategies.activations import Activations
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.dsversions import CURRENT, DeepSpeedVersion
@@ -73,11 +74,7 @@ class Zero3Lowering:
         self.optimizer = Zero3OptimizerStep(self.b, self.layout, ds, knobs, costs, self.coord, version)
         self.grads = GradReducer(self.b, self.layout, z, knobs, costs, self.trace, version,
                                  self.optimizer.sub_group_elems())
-        # each checkpointed layer's first module: it allocates the kept layer input
-        self.block_first: dict[int, str] = {}
-        for m in md.modules:
-            if m.block is not None:
-                self.block_first.setdefault(m.block, m.path)
+        self.acts = Activations(self.b, md, COMPUTE, checkpointing)
 
     def program(self):
         b = self.b
@@ -101,6 +98,7 @@ class Zero3Lowering:
                     self._run_module(mb, e, deps)
                 if e.release:
                     self.coord.release(i + 1, e)
+            self.acts.end_backward()
             if self.version.release_all_after_backward:
                 self.coord.release_all()  # 0.5.10 s3:2948, before the epilogue
             self.grads.epilogue()
@@ -116,50 +114,15 @@ class Zero3Lowering:
         pbufs = tuple(dict.fromkeys(self.coord.pbuf(p) for p in m.params))
         backward = e.phase is Phase.BACKWARD and bool(m.bwd)
         grads = self.grads.before_backward(m) if backward else ()
-        act = self._act_buffer(mb, e) if m.fwd else ()
+        act = self.acts.before(mb, m, e.phase)
         for j, k in enumerate(self._kernels(e)):
             b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
             suffix = "" if k.name in ("fwd", "bwd") else f".{k.name}"
             b.compute(COMPUTE, f"{mb}{m.path}.{e.phase.value}{suffix}", k.kind, k.flops, k.bytes_read, k.bytes_written,
                       k.gemm, deps=deps if j == 0 else (), buffers=pbufs + grads + act)
-        if m.fwd:
-            self._after_module(mb, e)
+        self.acts.after(mb, m, e.phase)
         if backward:
             self.grads.after_backward(m)
-
-    # ------------------------------------------------------------ activations
-    # What autograd keeps for backward (ModuleSpec.activation_bytes) without
-    # checkpointing; with it, only each layer's input, the rest re-created by the
-    # recompute pass.
-    def _act_buffer(self, mb: str, e: TraceEntry) -> tuple[str, ...]:
-        m = e.module
-        name = f"{mb}act:{m.path}"
-        if e.phase in (Phase.FORWARD, Phase.RECOMPUTE):
-            if self.checkpointing and m.block is not None and e.phase is Phase.FORWARD:
-                if self.block_first.get(m.block) == m.path:
-                    self.b.alloc(f"{mb}ckpt:{m.block}", self._ckpt_bytes(m), COMPUTE,
-                                 f"checkpointed input of layer {m.block}")
-            if m.activation_bytes:  # a module whose outputs autograd does not keep has none
-                self.b.alloc(name, m.activation_bytes, COMPUTE, f"activation {m.path}")
-        return (name,) if m.activation_bytes else ()
-
-    def _ckpt_bytes(self, first: ModuleSpec) -> int:
-        """A layer's input: tokens x hidden, or what the layer's first module reads."""
-        if self.md.arch is not None:
-            return self.md.tokens * self.md.arch.hidden * self.layout.dt
-        return max(1, sum(k.bytes_written for k in first.fwd))
-
-    def _after_module(self, mb: str, e: TraceEntry) -> None:
-        m = e.module
-        name = f"{mb}act:{m.path}"
-        if e.phase is Phase.FORWARD and self.checkpointing and m.block is not None:
-            if m.activation_bytes:
-                self.b.free(name, COMPUTE, "activation not kept (checkpointed layer)")
-        elif e.phase is Phase.BACKWARD:
-            if m.activation_bytes:
-                self.b.free(name, COMPUTE, "activation consumed by backward")
-            if self.checkpointing and m.block is not None and self.block_first.get(m.block) == m.path:
-                self.b.free(f"{mb}ckpt:{m.block}", COMPUTE, f"checkpointed input of layer {m.block}")
 
 
 # the trace's names, imported from here by older code
