@@ -314,6 +314,7 @@ class Eager:
         fwd = (kernel(f"{name}.log_softmax", K.SOFTMAX, (rows, vocab), e, n * e),
                kernel(f"{name}.nll", K.REDUCTION, (), e, rows * e + rows * INT64, extra_written=e))
         bwd = (kernel(f"{name}.seed_grad", K.ELEMENTWISE, (), e, 0),
-               kernel(f"{name}.nll_bwd", K.ELEMENTWISE, (rows, vocab), e, rows * INT64 + e),
+               # reads the targets, the incoming gradient and the total weight
+               kernel(f"{name}.nll_bwd", K.ELEMENTWISE, (rows, vocab), e, rows * INT64 + 2 * e),
                kernel(f"{name}.log_softmax_bwd", K.SOFTMAX, (rows, vocab), e, 2 * n * e))
         return Op(fwd, bwd)

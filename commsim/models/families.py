@@ -41,12 +41,24 @@ def _roberta(bd: Builder) -> None:
                 # HF RobertaEmbeddings.forward: word, token_type, position, LayerNorm, dropout.
                 # The word embedding's weight is the decoder's: autograd adds the
                 # embedding's gradient to the decoder's, which arrived first.
+                # What autograd keeps (checked like the layers': tests/models/test_hf_heads.py):
+                # the position ids and token type ids (the lookups' backward reads them); the
+                # LayerNorm's input and statistics, and its output when no dropout follows
+                # (the first layer's input); the dropout's mask and output.
+                emb_out = t * h * bd.dt
                 bd.embedding(word, c.vocab, before=Op(mask_ops + pos_ops),
-                             after=e.accumulate("tied_grad", (c.vocab, h)) if c.tie_embeddings else Op())
-                bd.embedding(f"{p}.embeddings.token_type_embeddings", c.type_vocab)
-                bd.embedding(f"{p}.embeddings.position_embeddings", c.max_positions, before=e.add("add_token_type", hs))
-                bd.norm(f"{p}.embeddings.LayerNorm", None, bias=True, before=e.add("add_position", hs))
-                bd.dropout(f"{p}.embeddings.dropout", None, hs, c.p_hidden)
+                             after=e.accumulate("tied_grad", (c.vocab, h)) if c.tie_embeddings else Op(),
+                             saved=b * s * i64)
+                # RobertaEmbeddings.forward: the buffered token type ids gathered at the
+                # position ids (a new int64 tensor, which the lookup's backward keeps)
+                bd.embedding(f"{p}.embeddings.token_type_embeddings", c.type_vocab,
+                             before=Op((e.cast("token_types.gather", ids, 2 * i64, i64),)), saved=b * s * i64)
+                bd.embedding(f"{p}.embeddings.position_embeddings", c.max_positions, before=e.add("add_token_type", hs),
+                             saved=0)
+                bd.norm(f"{p}.embeddings.LayerNorm", None, bias=True, before=e.add("add_position", hs),
+                        saved=emb_out + 2 * t * 4 + (0 if c.p_hidden > 0 else emb_out))
+                bd.dropout(f"{p}.embeddings.dropout", None, hs, c.p_hidden,
+                           saved=_dropout_saved(t * h, c.p_hidden) + (emb_out if c.p_hidden > 0 else 0))
             with bd.container(f"{p}.encoder"):
                 for i in range(c.layers):
                     _roberta_layer(bd, f"{p}.encoder.layer.{i}", i)
@@ -54,12 +66,37 @@ def _roberta(bd: Builder) -> None:
         # Parameter): a container with a parameter, fetched before its children. Its
         # gelu is functional (charged to the layer norm that follows it), and so is the
         # loss (RobertaForMaskedLM.forward: CrossEntropyLoss, charged to the decoder).
+        # Kept: dense's output (gelu's input), gelu's output, the norm's statistics and
+        # output (the decoder's input), log_softmax's output, nll_loss's total weight (a
+        # scalar of the logits' dtype); the labels exist before the step.
         with bd.container("lm_head", params=(ParamSpec("lm_head.bias", (c.vocab,)),), role=Role.LM_HEAD):
-            bd.linear("lm_head.dense", h, h, Role.LM_HEAD, None, bias=True)
-            bd.norm("lm_head.layer_norm", None, bias=True, before=e.unary("gelu", (t, h)))
+            bd.linear("lm_head.dense", h, h, Role.LM_HEAD, None, bias=True, saved=t * h * bd.dt)
+            bd.norm("lm_head.layer_norm", None, bias=True, before=e.unary("gelu", (t, h)),
+                    saved=2 * t * h * bd.dt + 2 * t * 4)
             bd.linear("lm_head.decoder", h, c.vocab, Role.LM_HEAD, None, bias=True,
                       weight_name=f"{word}.weight" if c.tie_embeddings else None, bias_name="lm_head.bias",
-                      after=e.cross_entropy("loss", t, c.vocab))
+                      after=e.cross_entropy("loss", t, c.vocab), saved=t * c.vocab * bd.dt + bd.dt)
+
+
+def _causal_lm_loss(bd: Builder) -> Op:
+    """transformers' ``ForCausalLMLoss`` (loss/loss_utils.py, 4.46 on; GPT-2 and Llama
+    call it): the logits cast to fp32, the labels padded with one ignore_index column
+    and shifted (a contiguous copy), cross-entropy in fp32 over every position (the
+    padded last one of each sequence is ignored, not cut). Backward: the cross-entropy's
+    kernels, then the cast back to the logits' dtype."""
+    e, b, s, vocab, f = bd.e, bd.b, bd.s, bd.cfg.vocab, 4
+    pad = replace(e.cast("labels.pad", (b, s + 1), 8, 8), bytes_read=b * s * 8)
+    cast = Op((e.cast("logits.float", (b, s, vocab), bd.dt, f), pad, e.cast("shift_labels", (b, s), 8, 8)),
+              (e.cast("logits.float_bwd", (b, s, vocab), f, bd.dt),))
+    return cast + e.cross_entropy("loss", b * s, vocab, elem=f)
+
+
+def _causal_lm_loss_saved(bd: Builder) -> int:
+    """What the causal-LM head keeps: log_softmax's fp32 output, nll_loss's target (the
+    shifted labels) and total weight (an fp32 scalar); the head's input is the final
+    norm's output, counted there."""
+    t = bd.b * bd.s
+    return t * bd.cfg.vocab * 4 + t * 8 + 4
 
 
 def _act_saved(bd: Builder) -> tuple[int, int]:
@@ -137,26 +174,24 @@ def _gpt2(bd: Builder) -> None:
         with bd.container("transformer"):
             # GPT2Model.forward: position ids (arange) before the token embedding; the
             # tied LM head's gradient arrives at wte first
+            # kept (tests/models/test_hf_heads.py): the position ids (wpe's backward reads
+            # them); the sum's dropout mask and output (the first block's input), or the
+            # sum itself without dropout; ln_f's statistics and output (the head's input)
             bd.embedding("transformer.wte", c.vocab, before=Op((e.cast("positions.arange", (1, s), 8, 8),)),
-                         after=e.accumulate("tied_grad", (c.vocab, h)) if c.tie_embeddings else Op())
-            bd.embedding("transformer.wpe", c.max_positions, tokens=s)
+                         after=e.accumulate("tied_grad", (c.vocab, h)) if c.tie_embeddings else Op(), saved=s * 8)
+            bd.embedding("transformer.wpe", c.max_positions, tokens=s, saved=0)
             # inputs_embeds + position_embeds (positions broadcast over the batch): the
             # position gradient is the sum over the batch
             pos_sum = Op(bwd=(e.pointwise("add_positions.sum_bwd", (1, s, h), b * s * h, kind=K.REDUCTION),))
-            bd.dropout("transformer.drop", None, hs, c.p_hidden, before=e.add("add_positions", hs, s * h) + pos_sum)
+            bd.dropout("transformer.drop", None, hs, c.p_hidden, before=e.add("add_positions", hs, s * h) + pos_sum,
+                       saved=_dropout_saved(t * h, c.p_hidden) + t * h * bd.dt)
             for i in range(c.layers):
                 _gpt2_block(bd, f"transformer.h.{i}", i)
-            bd.norm("transformer.ln_f", None, bias=True)
-        # GPT2LMHeadModel.forward's loss: shift_logits = logits[..., :-1, :].contiguous(),
-        # then CrossEntropyLoss over b*(s-1) rows; the slice's backward writes the whole
-        # logits gradient
-        rows = b * (s - 1)
-        shift = Op((e.pointwise("shift_logits", (b, s - 1, c.vocab), rows * c.vocab),
-                    e.cast("shift_labels", (b, s - 1), 8, 8)),
-                   (e.pointwise("shift_logits_bwd", (b, s, c.vocab), rows * c.vocab),))
+            bd.norm("transformer.ln_f", None, bias=True, saved=t * h * bd.dt + 2 * t * 4)
+        # GPT2LMHeadModel.forward's loss: transformers' ForCausalLMLoss
         bd.linear("lm_head", h, c.vocab, Role.LM_HEAD, None, bias=False,
                   weight_name="transformer.wte.weight" if c.tie_embeddings else None,
-                  after=shift + e.cross_entropy("loss", rows, c.vocab))
+                  after=_causal_lm_loss(bd), saved=_causal_lm_loss_saved(bd))
     assert t == bd.t
 
 
@@ -207,7 +242,10 @@ def _llama(bd: Builder) -> None:
     h, t, b, s, hd = c.hidden, bd.t, bd.b, bd.s, c.head_dim
     with bd.container(""):
         with bd.container("model"):
-            bd.embedding("model.embed_tokens", c.vocab)
+            # kept (tests/models/test_hf_heads.py): nothing of the embedding (the first
+            # layer's norm keeps its fp32 copy, not its input); the final norm as a
+            # layer's norm
+            bd.embedding("model.embed_tokens", c.vocab, saved=0)
             # LlamaModel.forward between embed_tokens and the layers, charged to the
             # rotary module: the causal mask (full, triu, arange, compare, multiply; a
             # copy per batch row once a padding mask is given) and the rotary table
@@ -228,19 +266,11 @@ def _llama(bd: Builder) -> None:
             bd.module("model.rotary_emb", ModuleKind.OTHER, Role.NONE, None, Op(mask + rope), saved=2 * s * hd * bd.dt)
             for i in range(c.layers):
                 _llama_layer(bd, f"model.layers.{i}", i)
-            bd.norm("model.norm", None, bias=False)
-        # LlamaForCausalLM's loss: logits.float(), then the shifted logits as in GPT-2,
-        # CrossEntropyLoss in fp32
-        rows, f = b * (s - 1), 4
-        loss = Op((e.cast("logits.float", (b, s, c.vocab), bd.dt, f),
-                   e.cast("shift_logits", (b, s - 1, c.vocab), f, f), e.cast("shift_labels", (b, s - 1), 8, 8)),
-                  (e.cast("shift_logits_bwd", (b, s, c.vocab), 0, f), e.cast("logits.float_bwd", (b, s, c.vocab), f,
-                                                                              bd.dt)))
-        # the slice's backward reads the (rows, vocab) gradient and writes the whole one
-        loss = Op(loss.fwd, (replace(loss.bwd[0], bytes_read=rows * c.vocab * f), loss.bwd[1]))
+            bd.norm("model.norm", None, bias=False, saved=t * h * 4 + t * 4 + 2 * t * h * bd.dt)
+        # LlamaForCausalLM's loss: transformers' ForCausalLMLoss
         bd.linear("lm_head", h, c.vocab, Role.LM_HEAD, None, bias=False,
                   weight_name="model.embed_tokens.weight" if c.tie_embeddings else None,
-                  after=loss + e.cross_entropy("loss", rows, c.vocab, elem=f))
+                  after=_causal_lm_loss(bd), saved=_causal_lm_loss_saved(bd))
     assert t == bd.t
 
 

@@ -169,11 +169,11 @@ class Builder:
         self.module(path, ModuleKind.NORM, Role.NORM, block, op, tuple(params), saved)
 
     def embedding(self, path: str, rows: int, block: int | None = None, tokens: int | None = None,
-                  before: Op = Op(), after: Op = Op()) -> None:
+                  before: Op = Op(), after: Op = Op(), saved: int | None = None) -> None:
         h = self.cfg.hidden
         params = (ParamSpec(f"{path}.weight", (rows, h)),)
         op = before + self.e.embedding("lookup", self.t if tokens is None else tokens, rows, h) + after
-        self.module(path, ModuleKind.EMBEDDING, Role.EMBEDDING, block, op, params)
+        self.module(path, ModuleKind.EMBEDDING, Role.EMBEDDING, block, op, params, saved)
 
     def dropout(self, path: str, block: int | None, shape: tuple[int, ...], p: float, before: Op = Op(),
                 after: Op = Op(), saved: int | None = None) -> None:

@@ -12,8 +12,8 @@ Mapping (ATen call -> kernel):
 * ``mm``, ``addmm``, ``bmm`` -> a GEMM, shape from the operands;
 * SDPA's fused attention (on CPU ``_scaled_dot_product_flash_attention_for_cpu``, on CUDA
   the FlashAttention kernel: one call each way with the same operands) -> ATTENTION;
-* ``native_layer_norm`` and its backward -> NORM; ``_softmax`` / ``_softmax_backward_data``
-  -> SOFTMAX; ``sum`` / ``mean`` -> REDUCTION; ``embedding`` -> EMBEDDING; any other call
+* ``native_layer_norm`` and its backward -> NORM; ``_softmax`` / ``_log_softmax`` and their
+  backward -> SOFTMAX; ``nll_loss_forward`` -> REDUCTION; ``sum`` / ``mean`` -> REDUCTION; ``embedding`` -> EMBEDDING; any other call
   that computes (copies, casts, ``clone``, ``cat``, pointwise math) -> ELEMENTWISE;
 * views and metadata (``view``, ``_unsafe_view``, ``t``, ``transpose``, ``expand``,
   ``split``, ``slice``, ``squeeze``, ``unsqueeze``, ``detach``, ...) launch nothing and
@@ -54,7 +54,8 @@ GEMMS = {"mm", "addmm", "bmm"}
 KIND = {"native_layer_norm": "norm", "native_layer_norm_backward": "norm", "_softmax": "softmax",
         "_softmax_backward_data": "softmax", "sum": "reduction", "mean": "reduction", "embedding": "embedding",
         "_scaled_dot_product_flash_attention_for_cpu": "attention",
-        "_scaled_dot_product_flash_attention_for_cpu_backward": "attention"}
+        "_scaled_dot_product_flash_attention_for_cpu_backward": "attention",
+        "_log_softmax": "softmax", "_log_softmax_backward_data": "softmax", "nll_loss_forward": "reduction"}
 
 
 def extent_bytes(t: "torch.Tensor") -> int:
