@@ -304,10 +304,41 @@ def predict(sc: Scenario) -> Prediction:
         raise CommsimInputError(f"--mode {sc.mode}: {e}") from None
     result = simulate(sim)
     metrics = compute_metrics(result, info)
+    if sc.mode == "auto" and result.mode == "symmetric" and not metrics.oom and metrics.alloc_flushes:
+        result, metrics, note = _per_rank_after_flushes(schedule, cost, sc, info, result, metrics)
+        sources += (note,)
     title = f"commsim predict: {what} on {hardware} = {schedule.world_size} GPUs"
     scen = {k: v for k, v in sc.__dict__.items() if k not in ("warnings", "host_costs")}
     scen.update(_resolved(sc, schedule, cluster))
     return Prediction(scen, schedule, result, metrics, info, title, cost.hbm_bytes, hardware, sources)
+
+
+# The largest world ``predict`` re-simulates rank by rank when the allocator flushes:
+# a per-rank step costs about 0.6 s per rank on a laptop core (bench/sim_speed.py).
+PER_RANK_AFTER_FLUSH_MAX_RANKS = 64
+
+
+def _per_rank_after_flushes(schedule: Schedule, cost, sc: Scenario, info: StepInfo, sym_result: SimResult,
+                            sym: Metrics) -> tuple[SimResult, Metrics, str]:
+    """The symmetric run flushed the caching allocator: in it every rank flushes at the
+    same instant, while on a real cluster each rank flushes on its own and every
+    collective it joins waits for it. Every rank is simulated (with the per-rank mode's
+    jitter, so that their flushes fall apart), up to PER_RANK_AFTER_FLUSH_MAX_RANKS;
+    returns the result, its metrics and the line that says so."""
+    n = schedule.world_size
+    flushes = f"the caching allocator flushed {sym.alloc_flushes} time(s) in the symmetric run"
+    if n > PER_RANK_AFTER_FLUSH_MAX_RANKS:
+        note = (f"mode: {flushes}; {n} ranks are too many to simulate one by one (at most "
+                f"{PER_RANK_AFTER_FLUSH_MAX_RANKS}; --mode per-rank forces it): the flushes are priced as if every "
+                "rank flushed at the same instant, which understates their cost")
+        return sym_result, sym, note
+    print(f"commsim: {flushes}; simulating each of the {n} ranks (a flush on one rank stalls every collective "
+          "it joins) ...", file=sys.stderr, flush=True)
+    sim = Simulator(schedule, cost, SimConfig(mode="per-rank", seed=sc.seed, jitter=sc.jitter))
+    result = simulate(sim)
+    note = (f"mode: per-rank because {flushes}: a flush on one rank stalls every collective it joins "
+            f"(symmetric step {sym.step_time_s:.3f} s)")
+    return result, compute_metrics(result, info), note
 
 
 def _resolved(sc: Scenario, schedule: Schedule, cluster) -> dict[str, Any]:

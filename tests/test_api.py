@@ -66,3 +66,30 @@ def test_a_frameworks_own_run_on_a_cpu_profile_waits_for_its_blocking_collective
 
     assert waits(base.with_(hw_profile=prof)) > 0
     assert waits(base.with_(hw_profile=prof, runner="executor")) == 0 == waits(base)
+
+
+def test_a_prediction_whose_allocator_flushes_simulates_every_rank(monkeypatch, capsys):
+    """roberta-10b at micro-batch 20 on one p4d node flushes the caching allocator: the
+    symmetric run (every rank flushing at once) is replaced by a per-rank one, where each
+    rank's flush holds up the collectives it joins, and the prediction says so; above the
+    rank limit the symmetric run stays, with a line that says what it understates."""
+    import commsim.api as api
+
+    sc = Scenario(model="roberta-10b", nodes=1, micro_batch=20)
+    sym = predict(sc.with_(mode="symmetric"))
+    assert sym.metrics.alloc_flushes > 0 and not sym.metrics.oom
+    pred = predict(sc)
+    assert pred.metrics.mode == "per-rank" and len(pred.result.ranks) == 8
+    note = [s for s in pred.sources if s.startswith("mode: per-rank because")]
+    assert note == [f"mode: per-rank because the caching allocator flushed {sym.metrics.alloc_flushes} time(s) in the "
+                    "symmetric run: a flush on one rank stalls every collective it joins (symmetric step "
+                    f"{sym.metrics.step_time_s:.3f} s)"]
+    assert "simulating each of the 8 ranks" in capsys.readouterr().err
+    assert pred.metrics.step_time_s >= sym.metrics.step_time_s
+
+    monkeypatch.setattr(api, "PER_RANK_AFTER_FLUSH_MAX_RANKS", 4)
+    capped = predict(sc)
+    assert capped.metrics.mode == "symmetric" and capped.metrics.step_time_s == sym.metrics.step_time_s
+    assert any("8 ranks are too many to simulate one by one" in s for s in capped.sources)
+    # asked for explicitly, a mode is kept
+    assert predict(sc.with_(mode="symmetric")).sources == sym.sources

@@ -113,7 +113,8 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    help="symmetric: simulate one rank for identical ranks (fast); per-rank: every rank, with "
                    "jitter, stragglers, per-rank allocator flushes and, from a profile that measured it, each rank's "
                    "speed drift (the median of 9 seeded steps) (default auto: symmetric when ranks are identical and "
-                   "the profile measured no drift)")
+                   "the profile measured no drift, then per-rank if the caching allocator flushed and there are at "
+                   "most 64 ranks, since each rank's flush stalls the collectives it joins)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-rank jitter RNG (default 0)")
     p.add_argument("--jitter", type=float,
                    help="relative std-dev of compute kernel times per rank (default 0.01 per-rank, 0 symmetric)")
