@@ -26,28 +26,18 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 from commsim.ir.ops import ComputeKind  # noqa: E402
 from commsim.models import TransformerConfig, describe  # noqa: E402
 from commsim.models.eager import PYTORCH_2  # noqa: E402
-from tests.models.test_hf_kernels import B, S, Recorder  # noqa: E402
+from tests.models.test_hf_kernels import B, S, Recorder, kept_bytes  # noqa: E402
 
 H, HEADS, V = 64, 4, 128
 
 
 def model_saved_bytes(model, **inputs) -> int:
-    """Bytes of the distinct tensors autograd keeps during ``model``'s forward with its
-    loss, less parameters, inputs and buffers (what existed before the call)."""
-    before = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(),
-                                                        *tree_flatten(inputs)[0]] if isinstance(t, torch.Tensor)}
-    kept: dict[int, int] = {}
+    """What autograd keeps during ``model``'s forward with its loss, less parameters,
+    inputs and buffers (what existed before the call)."""
+    def call():
+        assert model(**inputs).loss is not None
 
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in before:
-            kept[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(**inputs)
-    assert out.loss is not None
-    return sum(kept.values())
+    return kept_bytes(call, [*model.parameters(), *model.buffers(), *tree_flatten(inputs)[0]])
 
 
 def catalogue_saved(cfg: TransformerConfig) -> int:

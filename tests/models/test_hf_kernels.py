@@ -210,11 +210,10 @@ def test_llama_decoder_layer(attention, kv_heads):
     assert got[1] == want[1]
 
 
-def saved_bytes(layer, x, **kwargs) -> int:
-    """Bytes of the distinct tensors autograd keeps for the layer's backward, less the
-    parameters and what existed before the call (the input, the rotary table)."""
-    before = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), x, *tree_flatten(kwargs)[0]]
-              if isinstance(t, torch.Tensor)}
+def kept_bytes(call, existing) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward while ``call()`` runs,
+    less those whose storage is one of ``existing`` (parameters, inputs)."""
+    before = {t.untyped_storage().data_ptr() for t in existing if isinstance(t, torch.Tensor)}
     kept: dict[int, int] = {}
 
     def pack(t):
@@ -224,8 +223,14 @@ def saved_bytes(layer, x, **kwargs) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, **kwargs)
+        call()
     return sum(kept.values())
+
+
+def saved_bytes(layer, x, **kwargs) -> int:
+    """What autograd keeps for the layer's backward, less the parameters and what existed
+    before the call (the input, the rotary table)."""
+    return kept_bytes(lambda: layer(x, **kwargs), [*layer.parameters(), x, *tree_flatten(kwargs)[0]])
 
 
 @pytest.mark.parametrize("attention, kv_heads, p", [("sdpa", 2, 0.0), ("sdpa", 4, 0.0), ("eager", 2, 0.0),
