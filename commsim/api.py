@@ -314,7 +314,8 @@ def predict(sc: Scenario) -> Prediction:
 
 
 # The largest world ``predict`` re-simulates rank by rank when the allocator flushes:
-# a per-rank step costs about 0.6 s per rank on a laptop core (bench/sim_speed.py).
+# a per-rank step of roberta-50b costs about 0.67 s per rank on this 2-core VM (bench/sim_speed.py:
+# 64 ranks in 42.7 s).
 PER_RANK_AFTER_FLUSH_MAX_RANKS = 64
 
 

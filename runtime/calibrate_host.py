@@ -97,7 +97,7 @@ class HostMeasurements:
         else:
             make = (lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device))
         rounds = 4 if self.quick else 8
-        clock, busy = self._host_work_clock()
+        clock, share = self._host_work_clock()
         times: dict[int, list[float]] = {n: [] for n in sizes}
         for r in range(rounds + 1):
             dist.barrier()
@@ -108,7 +108,7 @@ class HostMeasurements:
                 t = clock()
                 live.append(make(n))
                 if r:  # the first round warms the heap up
-                    times[n].append((clock() - t) / busy)
+                    times[n].append((clock() - t) / share)
             del live
             if self.platform.caching_allocator:  # each round's allocations are cudaMalloc calls, not cache hits
                 self.sync()
@@ -125,7 +125,7 @@ class HostMeasurements:
         host's). CPUs: the thread's CPU time (kernel time of its page faults included;
         waits for a core excluded), divided by cores / ranks so that the profile holds
         wall time with every rank busy, as for every other host cost it measures
-        (the simulator takes one core's worth back, ``Simulation.core_work_ns``)."""
+        (the simulator takes one core's worth back, ``Simulator.core_work_ns``)."""
         if self.platform.caching_allocator:
             return time.perf_counter, 1.0
         share = min(1.0, cpu_cores() / self.ranks_per_node)
@@ -156,7 +156,7 @@ class HostMeasurements:
             return 0.0
         n = 64 << 20
         rounds = 3 if self.quick else 6
-        clock, busy = self._host_work_clock()  # thread CPU time: see alloc
+        clock, share = self._host_work_clock()  # thread CPU time: see alloc
         per_round = []
         for r in range(rounds + 1):
             dist.barrier()
@@ -169,7 +169,7 @@ class HostMeasurements:
             del x
             t3 = clock()
             if r:  # the first round warms the code path up
-                per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n / busy)
+                per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n / share)
         mean = self.agree(max(0.0, statistics.fmean(per_round)))  # see _together
         self.log(f"first touch of fresh pages: {mean * 1e9:.3f} ns/B")
         return mean
