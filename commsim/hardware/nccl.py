@@ -59,6 +59,7 @@ from math import ceil, inf
 from typing import Callable
 
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
+from commsim.hardware.nccl_messages import log2i, message_extra_us, network_messages
 from commsim.hardware.nccl_tuning import (MAX_NTHREADS, MAXCHANNELS, PROTOCOLS, THREAD_THRESHOLD, WIRE_FACTOR,
                                           NcclTuning, arch_of)
 from commsim.hardware.specs import NodeSpec
@@ -80,15 +81,6 @@ AR = O.CollectiveKind.ALL_REDUCE
 AG = O.CollectiveKind.ALL_GATHER
 RS = O.CollectiveKind.REDUCE_SCATTER
 BCAST = O.CollectiveKind.BROADCAST
-
-
-def log2i(n: int) -> int:
-    """NCCL's log2i: floor(log2(n)), 0 for n <= 1."""
-    out = 0
-    while n > 1:
-        n >>= 1
-        out += 1
-    return out
 
 
 # ---------------------------------------------------------------- the double binary tree
@@ -198,6 +190,11 @@ class NcclModel:
         self.c_intra = node.nccl_channels
         self.c_inter = min(MAXCHANNELS, 2 * fabric.nics_per_node)  # X5: 2 per NIC
         self.nvls_algbw = NVLS_BUSBW_BYTES_PER_S * 8 / (2 * 7)
+        # a network message's own cost (nccl_messages), and one inter-node channel's share
+        # of the node's NICs at line rate
+        self.message_us = fabric.message_ns / 1000
+        self.channel_line = fabric.nics_per_node * fabric.nic_rate_bytes_per_s / self.c_inter
+        self.fabric_efficiency = fabric.efficiency
 
     # ------------------------------------------------------------ per call
     def options(self, op: O.Collective, node_of: Callable[[int], int],
@@ -285,6 +282,9 @@ class NcclModel:
         if a == "ring" and proto == "Simple" and n > 1 and kind is AR and s / (channels * p) >= 64:
             tuner_lat *= t.ring_plateau[self.arch]  # "Plateau effect of ring"
             exec_lat *= t.ring_plateau[self.arch]
+        if self.message_us and n > 1 and proto == "Simple":  # NCCL's tuner does not know it
+            exec_lat += message_extra_us(network_messages(a, proto, kind, s, p, n, channels), self.message_us,
+                                         self.channel_line, self.fabric_efficiency)
 
         # fewer channels for small messages (enqueue.cc): the bandwidth scales with them
         nc = channels

@@ -84,6 +84,9 @@ class FabricSpec:
     # EFA: the instance type whose NICs these are (aws-ofi-nccl's platform table keys
     # its reported latency, transport and tuner by it); "" for InfiniBand
     instance: str = ""
+    # What each network message of a channel costs beyond its bytes, which the next
+    # message on that connection waits for (nccl_messages; 0: none modelled)
+    message_ns: int = 0
 
     @property
     def node_bw_bytes_per_s(self) -> float:
@@ -164,7 +167,13 @@ V100_32 = GpuSpec("V100-SXM2-32GB", 125 * TERA, 15.7 * TERA, 32 * 10**9, 900 * G
 #   (163 / 319 / 631 us on 2 / 4 / 8 nodes), 39 us per step, less NCCL's 2.7 us LL hop.
 #   Efficiency 0.6, set from N7: ring busbw 7.5 GB/s on 2 nodes, 6-8 on 8-32 (NCCL 2.4
 #   era), of a 12.5 GB/s NIC.
-EFA_P4D = FabricSpec("EFA 4x100Gb/s", 4, 100e9 / 8, 0.85, 20 * US, "efa", "p4d.24xlarge")
+# Per message (nccl_messages), p4d: 14.5 us, from N1's large sizes on two p4de: 1 -> 2 GiB
+# costs 25,189 us more; the tree sends each node's buffer each way over its 8 channels
+# (2 per NIC, 6.25 GB/s of line rate each) in 512 KiB messages: 256 messages a channel
+# in 25,189 us is 98.4 us each, 83.9 us of them bytes at line rate. (It is the fabric's
+# 0.85 efficiency at 512 KiB: 83.9 / 98.4 = 0.853.) Not set for p3dn (no mid-size
+# measurement to check one against) nor p5 (aws-ofi-nccl's RDMA transport, no flush).
+EFA_P4D = FabricSpec("EFA 4x100Gb/s", 4, 100e9 / 8, 0.85, 20 * US, "efa", "p4d.24xlarge", message_ns=14_500)
 EFA_P5 = FabricSpec("EFA 32x100Gb/s", 32, 100e9 / 8, 0.85, 23 * US, "efa", "p5.48xlarge")
 EFA_P3DN = FabricSpec("EFA 1x100Gb/s", 1, 100e9 / 8, 0.6, 36 * US, "efa", "p3dn.24xlarge")
 # InfiniBand: 200 Gb/s HDR / 400 Gb/s NDR per NIC (DGX user guides). Efficiency 0.96:

@@ -8,6 +8,7 @@ import pytest
 from commsim.hardware.costs import SpecCostModel
 from commsim.hardware.links import Link, LinkKind
 from commsim.hardware.nccl import _dtree, dtree_shape, log2i
+from commsim.hardware.nccl_messages import message_extra_us, network_messages
 from commsim.hardware.nccl_tuning import NCCL_2_10, NCCL_2_18
 from commsim.hardware.specs import EFA_P3DN, EFA_P4D, EFA_P5, NODE_PRESETS, cluster_preset
 from commsim.hardware.stacks import STACKS
@@ -165,9 +166,12 @@ def test_executed_latency_counts_real_crossings():
     assert plan(p4d, AR, 8).algorithm == "tree/Simple"
     assert hops_us(p4d, AR, 8, "tree/Simple") == pytest.approx(2 * (7 * 4.0 + 14.0 + 2 * 20.0))
     # a ring all-gather over 8 nodes crosses 8 boundaries on its longest path: 63 steps
-    # (Simple ring at full bandwidth on all 8 channels: nothing beyond the links)
+    # (Simple ring at full bandwidth on all 8 channels: nothing beyond the links but the
+    # 63 network messages of each channel, nccl_messages)
     r = plan(cluster_preset("p4d", 8, stack="2023"), AG, MiB)
-    assert r.latency_ns == round((8.4 + 55 * 3.4 + 8 * (14.0 + 2 * 20.0)) * 1000)
+    msgs = message_extra_us(network_messages("ring", "Simple", AG, MiB, 64, 8, 8), 14.5, 6.25e9, 0.85)
+    assert msgs > 0
+    assert r.latency_ns == round((8.4 + 55 * 3.4 + 8 * (14.0 + 2 * 20.0) + msgs) * 1000)
 
 
 def test_ring_plateau_multiplies_multi_node_simple_all_reduce_latency():
@@ -175,8 +179,10 @@ def test_ring_plateau_multiplies_multi_node_simple_all_reduce_latency():
     m = SpecCostModel(cl)
     opt = {o.name: o for o in m.nccl.options(coll(AR, 64 * MiB, range(32)), m.node_of, m.link_capacity)}
     ring = opt["ring/Simple"]
-    # NCCL 2.10 hops, 8 real crossings, then x1.4 on Ampere ("Plateau effect of ring")
-    assert ring.latency_us == pytest.approx(1.4 * (8.4 + (62 - 8) * 3.4 + 8 * (9.6 + 2 * 20.0)))
+    # NCCL 2.10 hops, 8 real crossings, then x1.4 on Ampere ("Plateau effect of ring"),
+    # then EFA's per-message cost, which NCCL's model does not hold
+    msgs = message_extra_us(network_messages("ring", "Simple", AR, 64 * MiB, 32, 4, 8), 14.5, 6.25e9, 0.85)
+    assert ring.latency_us == pytest.approx(1.4 * (8.4 + (62 - 8) * 3.4 + 8 * (9.6 + 2 * 20.0)) + msgs)
 
 
 # ---------------------------------------------------------------- bandwidth model
