@@ -282,9 +282,6 @@ class NcclModel:
         if a == "ring" and proto == "Simple" and n > 1 and kind is AR and s / (channels * p) >= 64:
             tuner_lat *= t.ring_plateau[self.arch]  # "Plateau effect of ring"
             exec_lat *= t.ring_plateau[self.arch]
-        if self.message_us and n > 1 and proto == "Simple":  # NCCL's tuner does not know it
-            exec_lat += message_extra_us(network_messages(a, proto, kind, s, p, n, channels), self.message_us,
-                                         self.channel_line, self.fabric_efficiency)
 
         # fewer channels for small messages (enqueue.cc): the bandwidth scales with them
         nc = channels
@@ -293,6 +290,11 @@ class NcclModel:
             while nc > 1 and s < nc * MAX_NTHREADS[proto] * thr:
                 nc -= 1
         exec_bw = algbw * nc / channels
+        # the network messages of the channels that run (nccl_messages): NCCL's tuner
+        # does not know their cost, the execution pays it
+        if self.message_us and n > 1 and proto == "Simple":
+            exec_lat += message_extra_us(network_messages(a, proto, kind, s, p, n, nc), self.message_us,
+                                         self.channel_line, self.fabric_efficiency)
 
         demands = tuple([(Link(LinkKind.NVLINK, nd), nvl_bytes * wire) for nd in nodes if nvl_bytes]
                         + [(Link(LinkKind.NIC, nd), nic_bytes * wire) for nd in nodes if nic_bytes])

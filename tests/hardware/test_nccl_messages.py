@@ -82,3 +82,21 @@ def test_p4d_mid_size_all_reduce_pays_its_messages_and_ib_does_not():
     assert with_cost.latency_ns - without.latency_ns == pytest.approx(extra * 1000, abs=1)
     ib = cluster_preset("dgx-a100", 2)
     assert ib.node.fabric.message_ns == 0
+
+
+def test_messages_are_counted_over_the_channels_that_run():
+    # a 64 KiB all-gather over 8 p4d nodes (2023 stack: Simple only) runs on 2 of the 8
+    # channels (enqueue.cc: 64 KiB < 3 x 512 threads x 64 B): each channel's ring
+    # carries 512 B a step, one message of each of its 63 steps
+    cl = cluster_preset("p4d", 8, stack="2023")
+    m = SpecCostModel(cl)
+    coll = O.Collective(O.OpId(1), "c", "x", AG, 64 * KiB, O.DType.FP32, tuple(range(64)))
+    opt = {o.name: o for o in m.nccl.options(coll, m.node_of, m.link_capacity)}
+    ring = opt["ring/Simple"]
+    assert ring.channels == 2
+    no_msg = replace(cl, node=replace(cl.node, fabric=replace(EFA_P4D, message_ns=0)))
+    m0 = SpecCostModel(no_msg)
+    ring0 = {o.name: o for o in m0.nccl.options(coll, m0.node_of, m0.link_capacity)}["ring/Simple"]
+    extra = message_extra_us(network_messages("ring", "Simple", AG, 64 * KiB, 64, 8, 2), 14.5, 6.25e9, 0.85)
+    assert extra == pytest.approx(62 * 14.5 - 63 * (KiB / 2) / 6.25e9 * (1 / 0.85 - 1) * 1e6)
+    assert ring.latency_us - ring0.latency_us == pytest.approx(extra)
