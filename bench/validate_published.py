@@ -478,8 +478,9 @@ def g5(tmp: Path) -> list[Row]:
         kernels = [k for m in md.modules if m.path.startswith("model.layers.0.mlp") for k in m.fwd]
         t = chain_time_ns(one_gpu("dgx-h100"), kernels, "bf16")
         flops = 3 * 2 * 8192 * 4096 * d_ff
-        rows.append(Row("G5", f"H100 SwiGLU MLP d_ff {d_ff}", f"dgx-h100 GPU; catalogue llama MLP forward "
-                        f"(gate, act, up, product, down, the layer's residual add), 8192 tokens (not published), bf16", "TFLOPS", tf, flops / t / 1e3, KC,
+        setup = ("dgx-h100 GPU; catalogue llama MLP forward (gate, act, up, product, down, the layer's residual "
+                 "add), 8192 tokens (not published), bf16")
+        rows.append(Row("G5", f"H100 SwiGLU MLP d_ff {d_ff}", setup, "TFLOPS", tf, flops / t / 1e3, KC,
                         note="matmul flops only; forward assumed"))
     return rows
 

@@ -122,7 +122,6 @@ class CurrentRelease:
         self.engine, self.model = engine, model
         zopt = engine.optimizer
         off = zopt.parameter_offload
-        coord = off.get_param_coordinator()
 
         def n_params(args):
             m = args[0]
