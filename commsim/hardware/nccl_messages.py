@@ -6,7 +6,8 @@ fixed buffer (``NCCL_BUFFSIZE``, 4 MiB for Simple, in ``NCCL_STEPS`` = 8 slots),
 network proxy sends one message per slot it fills (src/transport/net.cc: the proxy posts
 one isend per slice and advances by the slice's steps). How much a message carries
 depends on the algorithm and on the size (src/enqueue.cc ``computeColl``, and the
-kernels' loops, src/device/*.h):
+kernels' loops, src/device/*.h; NCCL 2.1x as I recall its source, which this machine
+cannot fetch: the thresholds below are the ones to check first when it can):
 
 * **ring, Simple**: a chunk is at most 4 steps (``ALLREDUCE_CHUNKSTEPS`` = NCCL_STEPS/2,
   2 MiB); each rank's share of a channel is cut into as many chunks as it needs and
@@ -28,10 +29,10 @@ protocol whose receives are flushed before the GPU may read them (NCCL's tuner c
 the network's latency twice for it); LL and LL128 carry their flags in the data and
 need no flush, and their small messages show no such cost: p3dn's 8-byte ring LL
 all-reduce over 8 nodes (published-runs.md N8, 631 us) sends 126 messages over each
-network connection, 5 us each at most, all of it its 16 crossings' latency. The fabric's efficiency (its share of
-line rate at large sizes) already holds that cost for messages of the size the
-efficiency was measured at; smaller messages pay more of it per byte. So what a
-collective pays beyond its link time is
+network connection, 5 us each at most, all of it its 16 crossings' latency. The
+fabric's efficiency (its share of line rate at large sizes) already holds that cost for
+messages of the size the efficiency was measured at; smaller messages pay more of it
+per byte. So what a collective pays beyond its link time is
 
     (messages - 1) x message_ns - channel bytes / channel line rate x (1 / efficiency - 1)
 
