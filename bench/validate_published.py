@@ -1,8 +1,8 @@
 """Published GPU measurements predicted from public specs alone: today's errors.
 
-    python bench/validate_published.py                # every item: table, skipped list, two summary lines
+    python bench/validate_published.py                # every item: table, skipped list, per family, two summary lines
     python bench/validate_published.py --only N1,G3   # some items (ids of ../shared/reference/published-runs.md)
-    python bench/validate_published.py --json         # one JSON object per row, per skipped number, per summary
+    python bench/validate_published.py --json         # one JSON object per row, skipped number, family, summary
 
 Every quantitative item of published-runs.md that commsim can express is predicted from
 the presets of ``commsim/hardware/specs.py`` as they stand (no constant is set here to
@@ -26,7 +26,8 @@ reader can check it:
 error = (predicted - published) / published. Where the published figure is a range the
 midpoint is compared; where the setup leaves something open (a micro-batch, say) the
 prediction is a range over it, its midpoint compared and the row says whether the
-published figure lies inside. Ends with two lines:
+published figure lies inside. Then each family's median and max |error| (N, I, G, M,
+X, and each end-to-end item on its own: README.md's table), and two lines:
 
     kernels+collectives: median |error| = X%  max |error| = Y%  items = N
     end-to-end: median |error| = X%  max |error| = Y%  items = N
@@ -984,6 +985,31 @@ def summary_line(s: dict) -> str:
             f"max |error| = {pct(s['max_abs_error'])}  items = {s['items']}")
 
 
+def family(item: str) -> str:
+    """The README's grouping of items: collectives over EFA (N), NVSwitch / InfiniBand (I),
+    GEMMs and layers (G), memory-bound kernels (M), interference (X); each end-to-end item
+    on its own."""
+    return item if item.startswith("E") else item[0]
+
+
+def family_summaries(rows: list[Row]) -> list[dict]:
+    """Median and max |error| of each family's rows, in the order the rows came."""
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        if r.error is not None:
+            out.setdefault(family(r.item), []).append(abs(r.error))
+    return [{"family": f, "median_abs_error": statistics.median(e), "max_abs_error": max(e), "items": len(e)}
+            for f, e in out.items()]
+
+
+def print_families(fams: list[dict]) -> None:
+    print("by family (|error| of each row; a range row compares the middle of its range):")
+    for f in fams:
+        print(f"  {f['family']:<3} rows {f['items']:>4}  median {100 * f['median_abs_error']:5.1f}%  "
+              f"max {100 * f['max_abs_error']:6.1f}%")
+    print()
+
+
 def print_table(rows: list[Row], skipped: list[Skipped]) -> None:
     head = f"{'item':<4} {'what':<46} {'published':>14} {'predicted':>24} {'error':>8}  {'unit':<10} setup"
     print(head)
@@ -1027,15 +1053,19 @@ def main(argv: list[str] | None = None) -> int:
                 rows.extend(ITEMS[item](Path(tmp)))
     skipped = [s for s in SKIPPED if s.item in wanted]
     sums = [summary(rows, KC), summary(rows, E2E)]
+    fams = family_summaries(rows)
     if args.json:
         for r in rows:
             print(json.dumps(r.to_json()))
         for s in skipped:
             print(json.dumps({"item": s.item, "what": s.what, "skipped": s.reason}))
+        for f in fams:
+            print(json.dumps(f))
         for s in sums:
             print(json.dumps(s))
         return 0
     print_table(rows, skipped)
+    print_families(fams)
     for s in sums:
         print(summary_line(s))
     return 0

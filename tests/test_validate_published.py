@@ -67,6 +67,9 @@ def test_script_prints_rows_skips_and_two_summary_lines():
     assert lines[-1] == "end-to-end: median |error| = n/a  max |error| = n/a  items = 0"
     assert sum(line.startswith("N1 ") for line in lines) == 13
     assert any(line.strip().startswith("N5 ") for line in lines)  # skipped, with its reason
+    # per family, from the same rows: N1's 13 and X5's 2 (the skipped N5 counts nowhere)
+    fam = lines[lines.index("by family (|error| of each row; a range row compares the middle of its range):") + 1:]
+    assert [f.split()[:3] for f in fam[:2]] == [["N", "rows", "13"], ["X", "rows", "2"]] and fam[2] == ""
 
 
 def test_json_rows_and_unknown_item():
@@ -78,6 +81,9 @@ def test_json_rows_and_unknown_item():
     for o in rows:
         assert o["error"] == (o["predicted"] - o["published"]) / o["published"]
     assert [o["summary"] for o in objs if "summary" in o] == ["kernels+collectives", "end-to-end"]
+    (fam,) = [o for o in objs if "family" in o]
+    errs = sorted(abs(o["error"]) for o in rows)
+    assert fam == {"family": "N", "median_abs_error": errs[6], "max_abs_error": errs[-1], "items": 13}
     bad = run("--only", "Z9")
     assert bad.returncode == 2 and "Z9" in bad.stderr
 
