@@ -293,7 +293,7 @@ class NcclModel:
         # the network messages of the channels that run (nccl_messages): NCCL's tuner
         # does not know their cost, the execution pays it
         if self.message_us and n > 1 and proto == "Simple":
-            exec_lat += message_extra_us(network_messages(a, proto, kind, s, p, n, nc), self.message_us,
+            exec_lat += message_extra_us(network_messages(a, kind, s, p, n, nc), self.message_us,
                                          self.channel_line, self.fabric_efficiency)
 
         demands = tuple([(Link(LinkKind.NVLINK, nd), nvl_bytes * wire) for nd in nodes if nvl_bytes]

@@ -17,10 +17,9 @@ cannot fetch: the thresholds below are the ones to check first when it can):
 * **tree, Simple**: one step per chunk (512 KiB), halved while the channel has too few
   chunks for the tree's depth (enqueue.cc: below depth x 8 chunks down to 128 KiB, below
   depth x 4 down to 64 KiB, below depth down to 32 KiB; depth = ranks per node - 1 +
-  log2(nodes), connect.cc "a good approximation"); one message per chunk;
-* **LL and LL128**: one message per step (LL: 64 KiB of lines, 32 KiB of data; LL128:
-  120 x 640 threads x 8 bytes of lines, 120/128 of it data), so the same counting with
-  one slice per step.
+  log2(nodes), connect.cc "a good approximation"); one message per chunk.
+
+Only Simple's messages are counted: they alone carry a cost of their own (below).
 
 **Cost.** Over InfiniBand a message costs its bytes. On p4d's EFA (aws-ofi-nccl's
 SENDRECV transport, GPUDirect RDMA) each Simple message also costs a fixed time that the
@@ -53,11 +52,6 @@ RING_CHUNK_STEPS = NCCL_STEPS // 2  # ALLREDUCE / ALLGATHER / REDUCESCATTER_CHUN
 RING_SLICE_STEPS = NCCL_STEPS // 4  # ..._SLICESTEPS
 # prims_simple.h: a slice is half a chunk, but at least a 32nd of a slice's full size
 MIN_SLICE_BYTES = SIMPLE_STEP_BYTES * RING_SLICE_STEPS // 32  # 32 KiB
-# data bytes one step of LL / LL128 carries (src/include/device.h buffer sizes / NCCL_STEPS):
-# LL: 8 lines x 512 threads x 16-byte lines per step, half of each line data;
-# LL128: 120 8-byte elements x 640 threads per step, 120 of every 128 bytes data
-LL_STEP_DATA_BYTES = 8 * 512 * 16 // 2
-LL128_STEP_DATA_BYTES = 120 * 640 * 8 * 120 // 128
 
 
 def log2i(n: int) -> int:
@@ -87,19 +81,17 @@ class Messages:
     data_bytes: float  # what they carry together
 
 
-def network_messages(algorithm: str, protocol: str, kind: O.CollectiveKind, size_bytes: float, ranks: int,
-                     nodes: int, channels: int) -> Messages:
-    """Messages per channel over one network connection of a ring or tree collective
-    (NVLS algorithms: ``Messages(0, 0)``, their network part is not modelled here)."""
+def network_messages(algorithm: str, kind: O.CollectiveKind, size_bytes: float, ranks: int, nodes: int,
+                     channels: int) -> Messages:
+    """Simple-protocol messages per channel over one network connection of a ring or
+    tree collective (NVLS algorithms: ``Messages(0, 0)``, their network part is not
+    modelled here)."""
     if nodes < 2 or size_bytes <= 0:
         return Messages(0, 0.0)
     if algorithm == "tree":
         # each channel reduces and broadcasts size / channels through every tree edge
         per_channel = size_bytes / channels
-        if protocol == "Simple":
-            chunk = tree_chunk_bytes(size_bytes, channels, tree_depth(ranks, nodes))
-        else:
-            chunk = LL_STEP_DATA_BYTES if protocol == "LL" else LL128_STEP_DATA_BYTES
+        chunk = tree_chunk_bytes(size_bytes, channels, tree_depth(ranks, nodes))
         return Messages(ceil(per_channel / chunk), per_channel)
     if algorithm != "ring":
         return Messages(0, 0.0)
@@ -108,15 +100,10 @@ def network_messages(algorithm: str, protocol: str, kind: O.CollectiveKind, size
     else:
         per_rank = size_bytes / ranks
         steps = 2 * (ranks - 1) if kind is O.CollectiveKind.ALL_REDUCE else ranks - 1
-    if protocol == "Simple":
-        max_chunk = RING_CHUNK_STEPS * SIMPLE_STEP_BYTES
-        loops = ceil(per_rank / (channels * max_chunk))
-        chunk = per_rank / (channels * loops)
-        slices = ceil(chunk / max(chunk / 2, MIN_SLICE_BYTES))
-    else:
-        max_chunk = LL_STEP_DATA_BYTES if protocol == "LL" else LL128_STEP_DATA_BYTES
-        loops = ceil(per_rank / (channels * max_chunk))
-        slices = 1
+    max_chunk = RING_CHUNK_STEPS * SIMPLE_STEP_BYTES
+    loops = ceil(per_rank / (channels * max_chunk))
+    chunk = per_rank / (channels * loops)
+    slices = ceil(chunk / max(chunk / 2, MIN_SLICE_BYTES))
     return Messages(steps * loops * slices, steps * per_rank / channels)
 
 

@@ -169,7 +169,7 @@ def test_executed_latency_counts_real_crossings():
     # (Simple ring at full bandwidth on all 8 channels: nothing beyond the links but the
     # 63 network messages of each channel, nccl_messages)
     r = plan(cluster_preset("p4d", 8, stack="2023"), AG, MiB)
-    msgs = message_extra_us(network_messages("ring", "Simple", AG, MiB, 64, 8, 8), 14.5, 6.25e9, 0.85)
+    msgs = message_extra_us(network_messages("ring", AG, MiB, 64, 8, 8), 14.5, 6.25e9, 0.85)
     assert msgs > 0
     assert r.latency_ns == round((8.4 + 55 * 3.4 + 8 * (14.0 + 2 * 20.0) + msgs) * 1000)
 
@@ -181,7 +181,7 @@ def test_ring_plateau_multiplies_multi_node_simple_all_reduce_latency():
     ring = opt["ring/Simple"]
     # NCCL 2.10 hops, 8 real crossings, then x1.4 on Ampere ("Plateau effect of ring"),
     # then EFA's per-message cost, which NCCL's model does not hold
-    msgs = message_extra_us(network_messages("ring", "Simple", AR, 64 * MiB, 32, 4, 8), 14.5, 6.25e9, 0.85)
+    msgs = message_extra_us(network_messages("ring", AR, 64 * MiB, 32, 4, 8), 14.5, 6.25e9, 0.85)
     assert ring.latency_us == pytest.approx(1.4 * (8.4 + (62 - 8) * 3.4 + 8 * (9.6 + 2 * 20.0)) + msgs)
 
 

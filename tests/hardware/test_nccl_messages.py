@@ -36,28 +36,27 @@ def test_tree_chunk_halves_while_a_channel_has_too_few_chunks_for_the_depth(size
 
 
 def test_tree_messages_are_chunks_of_each_channels_share():
-    m = network_messages("tree", "Simple", AR, 16 * MiB, 16, 2, 8)
+    m = network_messages("tree", AR, 16 * MiB, 16, 2, 8)
     assert m == Messages(32, 2 * MiB)  # 2 MiB a channel in 64 KiB chunks
-    assert network_messages("tree", "LL", AR, 1 * MiB, 16, 2, 8) == Messages(4, 128 * KiB)  # 32 KiB a step
 
 
 def test_ring_messages_count_every_step_and_slice():
     # 64 MiB over 64 ranks on 8 nodes: 1 MiB a rank, 128 KiB a channel in one loop,
     # cut into two 64 KiB slices; 126 steps over every link
-    m = network_messages("ring", "Simple", AR, 64 * MiB, 64, 8, 8)
+    m = network_messages("ring", AR, 64 * MiB, 64, 8, 8)
     assert m == Messages(126 * 2, 126 * MiB / 8)
     # a chunk of 64 KiB or less is one slice (slices are at least 32 KiB)
-    assert network_messages("ring", "Simple", AG, 4 * MiB, 64, 8, 8).count == 63
+    assert network_messages("ring", AG, 4 * MiB, 64, 8, 8).count == 63
     # beyond 2 MiB a channel the rank's share takes more loops, each a full chunk
-    big = network_messages("ring", "Simple", RS, 8 * GiB, 64, 8, 8)
+    big = network_messages("ring", RS, 8 * GiB, 64, 8, 8)
     assert big.count == 63 * 8 * 2 and big.data_bytes == 63 * (8 * GiB / 64) / 8
     # a broadcast is one pass: the buffer once over each link
-    assert network_messages("ring", "Simple", BC, 64 * MiB, 64, 8, 8) == Messages(4 * 2, 8 * MiB)
+    assert network_messages("ring", BC, 64 * MiB, 64, 8, 8) == Messages(4 * 2, 8 * MiB)
 
 
 def test_no_network_no_messages():
-    assert network_messages("ring", "Simple", AR, 64 * MiB, 8, 1, 24) == Messages(0, 0.0)
-    assert network_messages("nvls_tree", "Simple", AR, 64 * MiB, 16, 2, 32) == Messages(0, 0.0)
+    assert network_messages("ring", AR, 64 * MiB, 8, 1, 24) == Messages(0, 0.0)
+    assert network_messages("nvls_tree", AR, 64 * MiB, 16, 2, 32) == Messages(0, 0.0)
 
 
 def test_extra_is_the_per_message_cost_beyond_the_efficiency():
@@ -97,6 +96,19 @@ def test_messages_are_counted_over_the_channels_that_run():
     no_msg = replace(cl, node=replace(cl.node, fabric=replace(EFA_P4D, message_ns=0)))
     m0 = SpecCostModel(no_msg)
     ring0 = {o.name: o for o in m0.nccl.options(coll, m0.node_of, m0.link_capacity)}["ring/Simple"]
-    extra = message_extra_us(network_messages("ring", "Simple", AG, 64 * KiB, 64, 8, 2), 14.5, 6.25e9, 0.85)
+    extra = message_extra_us(network_messages("ring", AG, 64 * KiB, 64, 8, 2), 14.5, 6.25e9, 0.85)
     assert extra == pytest.approx(62 * 14.5 - 63 * (KiB / 2) / 6.25e9 * (1 / 0.85 - 1) * 1e6)
     assert ring.latency_us - ring0.latency_us == pytest.approx(extra)
+
+
+def test_ll_and_ll128_messages_pay_nothing():
+    # the early-2022 stack leaves NCCL LL and LL128 over p4d's EFA; their flags ride in the
+    # data (no receive flush), so only Simple's options change with the per-message cost
+    cl = cluster_preset("p4d", 8)
+    no_msg = replace(cl, node=replace(cl.node, fabric=replace(EFA_P4D, message_ns=0)))
+    coll = O.Collective(O.OpId(1), "c", "x", AG, 4 * MiB, O.DType.BF16, tuple(range(64)))
+    with_cost, without = ({o.name: o.latency_us for o in m.nccl.options(coll, m.node_of, m.link_capacity)}
+                          for m in (SpecCostModel(cl), SpecCostModel(no_msg)))
+    assert {"ring/LL", "ring/LL128", "ring/Simple"} <= set(with_cost)
+    assert with_cost["ring/LL"] == without["ring/LL"] and with_cost["ring/LL128"] == without["ring/LL128"]
+    assert with_cost["ring/Simple"] > without["ring/Simple"]
