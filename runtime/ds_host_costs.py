@@ -4,6 +4,7 @@
     python -m runtime.ds_host_costs --deepspeed 0.19.8 -o costs-0.19.8.json   # the installed one
     python -m runtime.ds_host_costs --min-of merged.json run1.json run2.json ...
     python -m runtime.ds_host_costs --derive costs-*.json
+    python -m runtime.ds_host_costs --derive-before-pr1188 derived.json pr1188/deepspeed-*.json
 
 One DeepSpeed release at a time (each in its own process: two releases cannot share
 one): 0.19.8 is the installed package; an older one is the unpacked source tree of
@@ -341,11 +342,41 @@ def derive(paths: list[str], exact: bool = False) -> dict[str, dict[str, int]]:
     return out
 
 
+# DeepSpeed 0.5.4's routines that differ from 0.5.10's (its gather path builds the
+# output list in a loop over the ranks; its release makes torch.ones(1) on the host):
+# field -> the field whose machine ratio scales it where 0.5.10 has no such term
+PR1188_CHANGED = {"gather_param_ns": "gather_param_ns", "gather_param_rank_ns": "gather_param_ns",
+                  "free_param_ns": "free_param_ns"}
+
+
+def derive_before_pr1188(stored_0510: dict[str, int], paths: list[str]) -> dict[str, int]:
+    """0.5.4's HostCosts fields from a run of 0.5.4 beside 0.5.10 on one machine
+    (``paths``: both releases, two worlds each) and 0.5.10's stored figures from
+    another: 0.5.10's figures, with each routine whose code differs scaled by the two
+    releases' ratio on the common machine (a term 0.5.10 lacks, by the ratio of that
+    routine between the two machines), so that the releases differ by their code."""
+    both = derive(paths)
+    new, old = both["0.5.4"], both["0.5.10"]
+    out = {k: v for k, v in stored_0510.items() if not k.startswith("_")}
+    for field, base in PR1188_CHANGED.items():
+        if old[field]:
+            value = stored_0510[field] * new[field] / old[field]
+        else:
+            value = new[field] * stored_0510[base] / old[base]
+        out[field] = int(round(value, -2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "--derive":
         print(json.dumps(derive(argv[1:]), indent=1))
+        return 0
+    if argv and argv[0] == "--derive-before-pr1188":
+        # python -m runtime.ds_host_costs --derive-before-pr1188 STORED_0.5.10_DERIVED.json PAIR_RUNS.json ...
+        stored = json.loads(Path(argv[1]).read_text())["0.5.10"]
+        print(json.dumps(derive_before_pr1188(stored, argv[2:]), indent=1))
         return 0
     if argv and argv[0] == "--min-of":
         # python -m runtime.ds_host_costs --min-of OUT RUN.json RUN.json ...
@@ -353,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(argv[1]).write_text(json.dumps(min_over_runs(docs), indent=1) + "\n")
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--deepspeed", required=True, choices=("0.5.10", "0.6.0", "0.19.8"))
+    ap.add_argument("--deepspeed", required=True, choices=("0.5.4", "0.5.10", "0.6.0", "0.19.8"))
     ap.add_argument("--source", help="the unpacked sdist of an older release (its root, holding deepspeed/)")
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--steps", type=int, default=STEPS)

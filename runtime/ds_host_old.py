@@ -1,4 +1,4 @@
-"""DeepSpeed 0.5.10 and 0.6.0's ZeRO-3 attached to the host-cost model by hand, for
+"""DeepSpeed 0.5.4, 0.5.10 and 0.6.0's ZeRO-3 attached to the host-cost model by hand, for
 ``runtime.ds_host_costs``: each release's sdist on ``sys.path``, its real parameter
 conversion, hooks, coordinator and gradient path, device calls as no-ops."""
 
@@ -12,11 +12,14 @@ from runtime.ds_host_setup import (BUCKET, LIVE, PERSISTENCE, PREFETCH_BUCKET, R
                                    fake_world, model_config, noop_handle, shim_old_release, stub_cuda)
 from runtime.ds_host_timing import Recorder, count_gathers, count_queue_pops, count_waits, time_call
 
-# ---------------------------------------------------------------- releases 0.5.10 and 0.6.0
+# ---------------------------------------------------------------- releases 0.5.4, 0.5.10 and 0.6.0
+
+# the releases before 0.6.0's coordinator (PrefetchCoordinator, per-module fetch in stage3.py)
+PRE_COORDINATOR = ("0.5.4", "0.5.10")
 
 
 class OldRelease:
-    """DeepSpeed 0.5.10 or 0.6.0 attached to the model by hand: the real Init's
+    """DeepSpeed 0.5.4, 0.5.10 or 0.6.0 attached to the model by hand: the real Init's
     parameter conversion, the real stage-3 optimizer class's hooks and gradient path,
     its own coordinator; only the optimizer's constructor (CUDA allocations) is
     replaced by setting the attributes those routines read."""
@@ -34,7 +37,7 @@ class OldRelease:
         import deepspeed.runtime.zero.stage3 as s3
 
         self.version, self.torch, self.pp, self.s3 = version, torch, pp, s3
-        self.new = version != "0.5.10"
+        self.new = version not in PRE_COORDINATOR
         # collectives: no-ops returning a finished handle
         if self.new:
             pp.torch_allgather_fn = noop_handle
@@ -46,8 +49,9 @@ class OldRelease:
 
             cc.torch_reduce_scatter_fn = noop_handle
             self.cc = cc
+        # (0.5.4's partition_parameters.py calls torch.distributed directly: the same module)
         for name in ("_all_gather_base", "all_gather", "reduce_scatter", "_reduce_scatter_base", "all_reduce"):
-            setattr(pp.dist, name, noop_handle)
+            setattr(torch.distributed, name, noop_handle)
         self.Stage3 = next(c for c in vars(s3).values()
                            if isinstance(c, type) and hasattr(c, "pre_sub_module_forward_function"))
 
@@ -142,7 +146,7 @@ class OldRelease:
 
     # -- timers and counters on the routines
     def _instrument(self, opt, coord, init, rec: Recorder) -> None:
-        s3, S = self.s3, self.Stage3
+        s3 = self.s3
 
         def n_params(args):
             m = args[0]
@@ -173,13 +177,18 @@ class OldRelease:
                 return orig_one(param, *a, **k)
 
             init._allgather_param = one
-            orig_coal = init._allgather_params_coalesced
+            # the synchronous path: one call per parameter list (0.5.10's coalesced
+            # _all_gather_base calls, pp:918-986; 0.5.4's list all_gather with the
+            # Python-side copies after it, pp:884-938)
+            sync_name = "_allgather_params_coalesced" if hasattr(init, "_allgather_params_coalesced") \
+                else "_allgather_params"
+            orig_coal = getattr(init, sync_name)
 
             def coal(plist, *a, **k):
                 rec.count("gathered", len(plist))
                 return orig_coal(plist, *a, **k)
 
-            init._allgather_params_coalesced = coal
+            setattr(init, sync_name, coal)
             orig_part = init._partition_param
 
             def part(param, *a, **k):

@@ -6,6 +6,7 @@ and numpy 2 lack, and a fake process group of the seed's world size."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 import types
 
@@ -98,6 +99,12 @@ def shim_old_release(torch) -> None:
 
     if not hasattr(numpy, "BUFSIZE"):
         numpy.BUFSIZE = 8192
+    # 0.5.4's engine imports tensorboardX at module level (engine.py:20); the timed
+    # routines never write a summary
+    if importlib.util.find_spec("tensorboardX") is None:
+        tbx = types.ModuleType("tensorboardX")
+        tbx.SummaryWriter = object
+        sys.modules["tensorboardX"] = tbx
 
 
 def fake_world(world: int) -> None:

@@ -69,7 +69,8 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 3, or the config's)")
     p.add_argument("--preset", default="current",
                    help="DeepSpeed ZeRO-3 release: current (0.19.8, default), optimized (0.6.0, after the seed's "
-                        "changes) or baseline (0.5.10, before them)")
+                        "changes), baseline (0.5.10, before them) or before-pr1188 (0.5.4, before DeepSpeed PR 1188's "
+                        "gather and release changes)")
     p.add_argument("--knob", action="append", metavar="NAME=VALUE",
                    help="override one knob, e.g. --knob coalesced_collectives=false (repeatable); knobs: "
                    "fine_grained_sync, precomputed_fetch, coalesced_collectives, flat_reduce_scatter, "

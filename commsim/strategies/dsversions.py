@@ -1,6 +1,7 @@
 """What differs between the DeepSpeed releases commsim models, beyond the seed's knobs.
 
-The ZeRO-3 generator follows one release at a time: 0.5.10 (late 2021, the seed's
+The ZeRO-3 generator follows one release at a time: 0.5.4 (autumn 2021, the state
+before DeepSpeed PR 1188: ``before-pr1188``), 0.5.10 (late 2021, the seed's
 ``baseline``), 0.6.0 (early 2022, ``optimized``) and 0.19.8 (``current``). The seed's
 own changes between 0.5.10 and 0.6.0 are the knobs (knobs.py); this module holds the
 other differences, each a behaviour with the line it comes from, so a knob flipped on
@@ -50,9 +51,39 @@ class DeepSpeedVersion:
     # a gradient is copied into the bucket when it fits exactly too (0.5.10 s3:1900,
     # 0.19.8 stage3.py:1626) or only with room to spare (0.6.0 s3:1826)
     bucket_takes_exact_fit: bool
+    # What DeepSpeed PR 1188 changed (merged between 0.5.4 and 0.5.5), each False from
+    # 0.5.5 on. A fetch's demand gathers take the asynchronous per-parameter path
+    # (0.5.4 s3:447 calls _all_gather with async_op=True): each parameter into a
+    # torch.zeros buffer, torch.cuda.synchronize() before its all-gather, its shard
+    # copied in (pp:835-880); 0.5.10 launches them all (_allgather_params_coalesced,
+    # pp:918-986) and synchronises once after.
+    demand_gather_per_param: bool = False
+    # The list all_gather (0.5.4 has no _all_gather_base: pp:876-880, 911-914):
+    # ProcessGroupNCCL gathers into a flat buffer of its own and copies each rank's
+    # piece out to the list, one copy_ per rank.
+    list_all_gather: bool = False
+    # A released parameter's data is torch.ones(1).to(device) (pp:728): a pageable
+    # host-to-device copy the host waits for, behind the compute stream's queued work;
+    # 0.5.10 makes torch.empty(1, device=...) (pp:753).
+    release_host_copy: bool = False
+    # The synchronous gather (the persistent parameters after the step, pp:884-938):
+    # one list all_gather of the parameters' shards, then each parameter copied out of
+    # it into a new tensor, one copy_ per rank (the "Python-side copy"); 0.5.10's
+    # coalesced path gathers into each parameter's own buffer.
+    sync_gather_copies_out: bool = False
 
 
 VERSIONS: dict[str, DeepSpeedVersion] = {
+    # 0.5.4: 0.5.10's ZeRO-3 (the same hooks, PrefetchCoordinator, persistence rule,
+    # gradient path and overflow check: stage3.py differs in s3:447 and the optimizer's
+    # constructor) but for PR 1188's four changes; its config has no bf16 section
+    "0.5.4": DeepSpeedVersion("0.5.4", persistence_inclusive=False, model_persistence_cap=False,
+                              prefetch_counts_available=False, release_keeps_passed_reuse=False,
+                              reuse_scan_stops_at_equal=False, zero3_bf16=False,
+                              release_all_after_backward=True, overflow_check_always=True,
+                              overflow_tracker_per_gradient=False, bucket_takes_exact_fit=True,
+                              demand_gather_per_param=True, list_all_gather=True, release_host_copy=True,
+                              sync_gather_copies_out=True),
     "0.5.10": DeepSpeedVersion("0.5.10", persistence_inclusive=False, model_persistence_cap=False,
                                prefetch_counts_available=False, release_keeps_passed_reuse=False,
                                reuse_scan_stops_at_equal=False, zero3_bf16=False,
@@ -90,11 +121,18 @@ def apply_version_rules(ds: DeepSpeedConfig, version: DeepSpeedVersion) -> tuple
     the user's choice.
     """
     if ds.zero.stage == 3 and ds.precision == "bf16" and not version.zero3_bf16:
+        why = ("refuses bf16 with ZeRO-3 (deepspeed/runtime/config.py:902)" if version.name == "0.5.10"
+               else "has no bf16 (its config reads no bf16 section)")
         return replace(ds, precision="fp16"), [
-            f"DeepSpeed {version.name} refuses bf16 with ZeRO-3 (deepspeed/runtime/config.py:902); the "
-            f"{'baseline' if version.name == '0.5.10' else version.name} runs fp16 (dynamic loss scaling, "
+            f"DeepSpeed {version.name} {why}; the {_preset_of(version.name)} runs fp16 (dynamic loss scaling, "
             "per-parameter overflow check) instead"]
     return ds, []
+
+
+def _preset_of(version: str) -> str:
+    """How the warning names the preset running ``version``."""
+    preset = next((p for p, v in PRESET_VERSIONS.items() if v == version), version)
+    return preset if preset == "baseline" else f"{preset} preset"
 
 
 __all__ = ["CURRENT", "DEFAULT_PRESET", "DeepSpeedVersion", "VERSIONS", "apply_version_rules", "version_of"]

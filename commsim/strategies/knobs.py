@@ -11,7 +11,9 @@ A preset is a DeepSpeed version (``commsim.strategies.dsversions``: what differs
 between versions but is not one of the seed's changes, such as the persistence rule)
 plus the knobs: ``baseline`` = 0.5.10, ``optimized`` = 0.6.0, ``current`` = 0.19.8
 (what today's users run; the fidelity tests record it). ``optimized`` and ``current``
-set every knob the same way.
+set every knob the same way. ``before-pr1188`` = 0.5.4, the state before DeepSpeed PR
+1188 (published-runs.md E2): the baseline's knobs on a release with that PR's four
+changes undone.
 """
 
 from __future__ import annotations
@@ -102,8 +104,12 @@ _BEFORE = Knobs(
 )
 
 # preset -> (DeepSpeed version it models, knobs)
-PRESET_VERSIONS: dict[str, str] = {"current": "0.19.8", "optimized": "0.6.0", "baseline": "0.5.10"}
-KNOB_PRESETS: dict[str, Knobs] = {"current": _AFTER, "optimized": _AFTER, "baseline": _BEFORE}
+# (before-pr1188: DeepSpeed 0.5.4, E2's "before" in reference/published-runs.md; the
+# seed's knobs on 0.5.10's side, PR 1188's changes are dsversions.py behaviours)
+PRESET_VERSIONS: dict[str, str] = {"current": "0.19.8", "optimized": "0.6.0", "baseline": "0.5.10",
+                                   "before-pr1188": "0.5.4"}
+KNOB_PRESETS: dict[str, Knobs] = {"current": _AFTER, "optimized": _AFTER, "baseline": _BEFORE,
+                                  "before-pr1188": _BEFORE}
 DEFAULT_PRESET = "current"
 
 # knob names of the releases before 0.6.0's changes were modelled one by one: the old
@@ -230,6 +236,19 @@ HOST_COSTS: dict[str, HostCosts] = {
                         free_param_ns=20_600, grad_hook_ns=16_400, reduce_flush_ns=400_300, reduce_flush_rank_ns=800,
                         reduce_param_ns=9_300, reduce_param_rank_ns=2_100, debug_string_ns=3_500),
 }
+# 0.5.4 (before-pr1188) runs 0.5.10's hooks, gradient path and flush (the same code);
+# its gather path (_allgather_param, a Python loop over the ranks building the output
+# list) and its release (torch.ones(1).to(device)) differ. Both releases were timed the
+# same way on one later machine (an AMD EPYC Zen 5 VM core, 2026-12-02, three runs each
+# at 8 and 64 ranks: traces/host-costs/pr1188/), where 0.5.4's gather cost 28.5 us + 2.0
+# us per rank a parameter against 0.5.10's 18.2 us, and its free 12.1 against 10.6 us;
+# the shared routines agreed within 3%. 0.5.4's are 0.5.10's figures above times those
+# ratios (the per-rank term times the gather's own ratio between the two machines, 38.2 /
+# 18.2), so that the two releases differ by their code, not by the machine:
+# ``python -m runtime.ds_host_costs --derive-before-pr1188 traces/host-costs/derived.json
+# traces/host-costs/pr1188/deepspeed-*.json``.
+HOST_COSTS["0.5.4"] = replace(HOST_COSTS["0.5.10"], gather_param_ns=59_800, gather_param_rank_ns=4_200,
+                              free_param_ns=23_500)
 
 
 def host_costs_for(version: str) -> HostCosts:

@@ -28,10 +28,8 @@ differences are ``DeepSpeedVersion`` behaviours (dsversions.py).
   only when no prefetch is in flight, walk the module trace from here collecting
   unavailable parameters until the bucket is reached, each gathered into a zero-filled
   buffer (``empty_gather_buffers`` off) after a device-wide synchronize;
-* the gather itself: a flat output for more than one parameter, copied into each
-  parameter's storage on wait; hpZ parameters with a secondary shard gather inside the
-  secondary group first; MiCS hierarchical gathers run across nodes, then inside the
-  node (mics.py ``_hierarchical_all_gather_params``);
+* the gather itself (zero3_gather.py): a flat output for more than one parameter,
+  copied into each parameter's storage on wait; hpZ, MiCS, 0.5.4's list all_gather;
 * release after use unless persistent, still used by an open module
   (``ds_active_sub_modules``), or used again within ``max_reuse_distance`` elements
   (0.6.0, and 0.19.8, which also keeps parameters whose later use the prefetcher
@@ -55,7 +53,6 @@ recent use and (0.6.0 on) the available numel are reset per forward + backward
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from commsim.ir import ops as O
 from commsim.models.spec import ParamSpec
@@ -63,20 +60,9 @@ from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.dsconfig import ZeroConfig
 from commsim.strategies.dsversions import CURRENT, DeepSpeedVersion
 from commsim.strategies.knobs import HostCosts, Knobs
+from commsim.strategies.zero3_gather import AVAILABLE, INFLIGHT, NA, AllGathers, Handle
 from commsim.strategies.zero3_layout import COMPUTE, Zero3Layout
 from commsim.strategies.zero3_trace import TraceEntry
-
-NA, INFLIGHT, AVAILABLE = "not_available", "inflight", "available"
-
-
-@dataclass
-class _Handle:
-    """One all-gather call's outstanding work, shared by the parameters it gathers."""
-
-    params: list[ParamSpec]
-    flat_buffer: str | None  # coalesced flat output, unflattened and freed on wait
-    out_bytes: int
-    waited: bool = False
 
 
 def persistent_params(params: tuple[ParamSpec, ...], threshold: int, model_threshold: int,
@@ -94,7 +80,7 @@ def persistent_params(params: tuple[ParamSpec, ...], threshold: int, model_thres
     return frozenset(out)
 
 
-class ParamCoordinator:
+class ParamCoordinator(AllGathers):
     """Fetch, prefetch and release of one rank's parameters over one step."""
 
     def __init__(self, b: ProgramBuilder, layout: Zero3Layout, z: ZeroConfig, knobs: Knobs, costs: HostCosts,
@@ -110,10 +96,11 @@ class ParamCoordinator:
                                  for p in layout.unique_in_ds_order(e.module.params))
         # per step
         self.status = {p.name: (AVAILABLE if p.name in self.persistent else NA) for p in layout.params}
-        self.handle: dict[str, _Handle] = {}
+        self.handle: dict[str, Handle] = {}
         self.secondary: set[str] = set()  # hpZ: parameters holding a secondary shard
         self.fetch_events: list[O.OpId] = []
         self.n_ag = 0
+        self.n_list_ag = 0
         self.n_available = 0
         # per forward + backward (reset_micro_step)
         self.queue: deque[tuple[str, int]] = deque()
@@ -134,10 +121,6 @@ class ParamCoordinator:
         for p in lay.params:
             if p.name in self.persistent:
                 self.b.setup_alloc(self.pbuf(p), lay.part[p.name] * lay.n_part * lay.dt, f"persistent {p.name}")
-
-    def pbuf(self, p: ParamSpec) -> str:
-        """The buffer holding ``p`` gathered."""
-        return f"param:{p.name}"
 
     # ------------------------------------------------------------ fetch / prefetch
     def fetch(self, i: int, e: TraceEntry) -> tuple[O.OpId, ...]:
@@ -180,13 +163,17 @@ class ParamCoordinator:
         device synchronised (``_allgather_params_coalesced``, pp:974-984); then, if any
         parameter was missing or in flight, ``_synchronize_communication`` (s3:534-545):
         every in-flight handle waited, the all-gather stream and the whole device
-        synchronised. Nothing else orders the module's kernels after the gathers."""
+        synchronised. Nothing else orders the module's kernels after the gathers.
+        0.5.4 (``demand_gather_per_param``) takes the per-parameter path instead, each
+        gather behind its own device synchronize (pp:835-880), and only
+        ``_synchronize_communication`` follows."""
         b, lay = self.b, self.layout
         need = [p for p in params if self.status[p.name] == NA]
         in_flight = any(self.status[p.name] == INFLIGHT for p in params)
         if need:
             self._all_gather(need, "fetch")
-            b.sync_device("demand all-gather: torch.cuda.synchronize() (pp:984)")
+            if not self.version.demand_gather_per_param:
+                b.sync_device("demand all-gather: torch.cuda.synchronize() (pp:984)")
         if not (need or in_flight):
             return ()
         b.sync_stream(lay.ag_stream, "fetch: all-gather stream synchronize (s3:541)")
@@ -272,80 +259,6 @@ class ParamCoordinator:
         b.free(h.flat_buffer, s, "coalesced all-gather buffer")
         return True
 
-    # ------------------------------------------------------------ all-gather
-    def _all_gather(self, params: list[ParamSpec], why: str) -> None:
-        params = self.layout.in_ds_order(p for p in params if self.status[p.name] == NA)
-        if not params:
-            return
-        self.n_available += sum(p.numel for p in params)
-        # hpZ: parameters with a secondary copy gather inside its group, first
-        # (partitioned_param_coordinator.__all_gather_params_); the others over the partition group.
-        sec = [p for p in params if p.name in self.secondary]
-        for part in (sec, [p for p in params if p.name not in self.secondary]):
-            if not part:
-                continue
-            batches = [part] if self.knobs.coalesced_collectives else [[p] for p in part]
-            for batch in batches:
-                self._all_gather_call(batch, why, secondary=part is sec)
-
-    def _all_gather_call(self, batch: list[ParamSpec], why: str, secondary: bool = False,
-                         stream: str | None = None) -> None:
-        b, c, lay = self.b, self.costs, self.layout
-        s = stream or lay.ag_stream
-        self.n_ag += 1
-        k = self.n_ag
-        shard = sum(lay.part[p.name] for p in batch)
-        out_bytes = shard * lay.n_part * lay.dt
-        b.host("gather", O.HostKind.PYTHON, c.gather_ns(len(batch), lay.n_part))
-        for p in batch:
-            size = lay.part[p.name] * lay.n_part * lay.dt  # storage of the padded full parameter
-            b.alloc(self.pbuf(p), size, s, f"gathered {p.name}")
-        names = tuple(dict.fromkeys(self.pbuf(p) for p in batch))
-        flat = None
-        if len(batch) > 1:
-            flat = f"agflat[{k}]"
-            b.alloc(flat, out_bytes, s, f"coalesced all-gather buffer {k}")
-            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.copy(s, f"ag{k}.copy_in", O.CopyDirection.D2D, shard * lay.dt, buffers=(flat, "flat16[0]"))
-        target = (flat,) if flat else names
-        if why == "prefetch" and not self.knobs.empty_gather_buffers:
-            # 0.5.10 _allgather_param: torch.zeros(aligned_param_size) (pp:875)
-            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.compute(s, f"ag{k}.zero_fill", O.ComputeKind.ELEMENTWISE, 0, 0, out_bytes, buffers=target)
-        if why == "prefetch" and not self.knobs.fine_grained_sync:
-            # 0.5.10 _allgather_param: torch.cuda.synchronize() before the all-gather (pp:882)
-            b.sync_device(f"ag{k}: torch.cuda.synchronize() before the prefetch all-gather (pp:882)")
-        label = f"{b.phase.value}.ag{k}.{why}:{batch[0].name}" + (f"+{len(batch) - 1}" if len(batch) > 1 else "")
-        g = lay.groups
-        if secondary:
-            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            b.collective(s, label + ".hpz", O.CollectiveKind.ALL_GATHER, out_bytes, lay.dtype, g.secondary,
-                         buffers=target)
-        elif g.inter is not None:
-            # MiCS hierarchical (mics.py _hierarchical_all_gather_params): across nodes
-            # (same local rank) into the output, a clone of that part copied to where the
-            # intra-node gather expects it, then the gather inside the node
-            stage = f"aghier[{k}]"
-            mid = out_bytes // len(g.intra)
-            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            b.collective(s, label + ".inter", O.CollectiveKind.ALL_GATHER, mid, lay.dtype, g.inter, buffers=target)
-            b.alloc(stage, mid, s, f"hierarchical all-gather clone {k}")
-            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.copy(s, f"ag{k}.hier_clone", O.CopyDirection.D2D, mid, buffers=target + (stage,))
-            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.copy(s, f"ag{k}.hier_place", O.CopyDirection.D2D, mid, buffers=(stage,) + target)
-            b.free(stage, s, f"hierarchical all-gather clone {k}")
-            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            b.collective(s, label + ".intra", O.CollectiveKind.ALL_GATHER, out_bytes, lay.dtype, g.intra,
-                         buffers=target)
-        else:
-            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            b.collective(s, label, O.CollectiveKind.ALL_GATHER, out_bytes, lay.dtype, g.partition, buffers=target)
-        handle = _Handle(batch, flat, out_bytes)
-        for p in batch:
-            self.status[p.name] = INFLIGHT
-            self.handle[p.name] = handle
-
     # ------------------------------------------------------------ release
     def release(self, step_id: int, e: TraceEntry) -> None:
         """The post-hook of ``e``; ``step_id`` is the next trace position."""
@@ -410,21 +323,14 @@ class ParamCoordinator:
         self.n_available -= p.numel
         b.host("free", O.HostKind.PYTHON, self.costs.free_param_ns)
         b.free(self.pbuf(p), COMPUTE, f"release {p.name}")
-
-    # ------------------------------------------------------------ after the optimizer step
-    def gather_persistent(self) -> None:
-        """Synchronous gather (stage3._post_step -> _allgather_params_coalesced): one
-        all-gather per persistent parameter on the default stream, all launched, then a
-        device-wide synchronize; no coordinator back-pressure."""
-        pers = [p for p in self.layout.params if p.name in self.persistent]
-        if not pers:
-            return
-        for p in pers:
-            self._all_gather_call([p], "persistent", stream=COMPUTE)
-        for p in pers:
-            self.handle.pop(p.name)
-            self.status[p.name] = AVAILABLE
-        self.b.sync_device("synchronous gather of persistent parameters: torch.cuda.synchronize()")
+        if self.version.release_host_copy:
+            # 0.5.4 pp:728: param.data = torch.ones(1, dtype).to(param.device), a copy from
+            # pageable memory: cudaMemcpyAsync then a wait for the current stream, so the
+            # host waits for every kernel queued before it (the 2-byte tensor itself is
+            # left out of the allocator's blocks)
+            b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
+            cp = b.copy(COMPUTE, f"release.ones_h2d:{p.name}", O.CopyDirection.H2D, lay.dt)
+            b.sync_ops((cp,), "release: torch.ones(1).to(device) (pp:728)")
 
     def invalidate_secondary(self) -> None:
         """hpZ's secondary shards are dropped after the step (invalidate_secondary_tensor)."""

@@ -92,7 +92,17 @@ def test_derive_takes_the_flush_timed_alone_where_it_was(tmp_path):
 
 def test_the_knobs_constants_are_the_stored_measurements_derived():
     derived = H.derive([str(p) for p in STORED])
-    assert set(derived) == {"0.5.10", "0.6.0", "0.19.8"} and set(HOST_COSTS) == set(derived)
+    assert set(derived) == {"0.5.10", "0.6.0", "0.19.8"} and set(HOST_COSTS) == set(derived) | {"0.5.4"}
+    # 0.5.4: 0.5.10's figures, its gather and release scaled by the two releases' ratio
+    # timed side by side (traces/host-costs/pr1188/)
+    pair = sorted((ROOT / "traces" / "host-costs" / "pr1188").glob("deepspeed-*-world*.json"))
+    assert len(pair) == 4
+    before = H.derive_before_pr1188(derived["0.5.10"], [str(p) for p in pair])
+    for name, value in before.items():
+        if name not in ("launch_ns", "collective_launch_ns"):
+            assert getattr(HOST_COSTS["0.5.4"], name) == value, name
+    assert before["gather_param_ns"] > 1.4 * derived["0.5.10"]["gather_param_ns"] and before["gather_param_rank_ns"] > 0
+    assert {k for k in before if before[k] != derived["0.5.10"][k]} == set(H.PR1188_CHANGED)
     for version, fields in derived.items():
         assert fields["_fit"]["worlds"] == [8, 64]
         for name, value in fields.items():

@@ -1,7 +1,9 @@
 """The DeepSpeed releases the ZeRO-3 generator follows, checked against replays of
 their parameter coordinators written here from the released sources (not from the
 generator): DeepSpeed 0.6.0 (stage3.py:172-493, the ``optimized`` preset) and 0.5.10
-(stage3.py:157-543 with partition_parameters.py, the ``baseline``). 0.19.8 (``current``)
+(stage3.py:157-543 with partition_parameters.py, the ``baseline``), and 0.5.4 (the same
+coordinator with PR 1188's gather and release paths undone, ``before-pr1188``) against
+0.5.10's schedule. 0.19.8 (``current``)
 is checked against the real DeepSpeed in tests/runtime/test_deepspeed_fidelity.py."""
 
 from collections import Counter, deque
@@ -245,5 +247,62 @@ def test_baseline_runs_fp16_and_says_why():
 
 def test_presets_name_their_releases():
     assert {p: version_of(p).name for p in KNOB_PRESETS} == {"current": "0.19.8", "optimized": "0.6.0",
-                                                             "baseline": "0.5.10"}
-    assert set(VERSIONS) == {"0.5.10", "0.6.0", "0.19.8"}
+                                                             "baseline": "0.5.10", "before-pr1188": "0.5.4"}
+    assert set(VERSIONS) == {"0.5.4", "0.5.10", "0.6.0", "0.19.8"}
+
+
+@pytest.mark.parametrize("zero", CONFIGS[:3])
+def test_before_pr1188_takes_the_per_parameter_gather_and_a_host_copy_per_release(zero):
+    """0.5.4 = 0.5.10's coordinator (the same gathers, in the same order), each demand
+    gather through _allgather_param (pp:835-880): a zero-filled buffer, a device
+    synchronize before it, the shard copied in, the list all_gather (ProcessGroupNCCL's
+    own flat output, copied out); every release a torch.ones(1).to(device) the host
+    waits for (pp:728); the persistent parameters gathered once, copied out in Python
+    (pp:884-938), with no synchronize after."""
+    md = describe(MODEL_PRESETS["tiny"], 2, 16)
+    cfg = _cfg("fp16", **zero)
+    s = generate(md, World(1, 2), cfg, KNOB_PRESETS["before-pr1188"], preset="before-pr1188")
+    base = generate(md, World(1, 2), cfg, KNOB_PRESETS["baseline"], preset="baseline")
+    assert validate(s) == []
+    gathers, gathered = replay_0510(md, cfg.zero)
+    assert _gathers(s) == _gathers(base) == gathers
+    step = s.programs[0].step
+    syncs = Counter(op.label.split(" (")[0] for op in step if isinstance(op, O.HostSync))
+    fetch_ag = [op for op in step if isinstance(op, O.Collective) and ".fetch:" in op.label]
+    assert len(fetch_ag) == len(gathers) and all(n == 1 for _, _, n in gathers)
+    # one synchronize before each gather, none after the launches; then, per fetch that
+    # gathers, _synchronize_communication's two (s3:540-541)
+    assert sum(v for k, v in syncs.items() if k.endswith("before the fetch all-gather")) == len(fetch_ag)
+    assert not syncs["demand all-gather: torch.cuda.synchronize()"]
+    assert syncs["fetch: torch.cuda.synchronize()"] == sum(gathered)
+    by_label = {op.label: op for op in step}
+    for ag in fetch_ag:
+        k = ag.label.split(".ag", 1)[1].split(".", 1)[0]
+        assert by_label[f"ag{k}.zero_fill"].bytes_written == ag.size_bytes
+        out = by_label[ag.label + ".copy_out"]
+        assert isinstance(out, O.Copy) and out.size_bytes == ag.size_bytes and out.stream == ag.stream
+        assert ag.buffers[0].startswith("aglist[")  # NCCL writes its own flat output
+    # a host copy and wait per released parameter: as many as the baseline's releases
+    frees = [op for op in base.programs[0].step if isinstance(op, O.Free) and op.label.startswith("release ")]
+    assert syncs["release: torch.ones(1).to(device)"] == len(frees) > 0
+    h2d = [op for op in step if isinstance(op, O.Copy) and op.label.startswith("release.ones_h2d:")]
+    assert len(h2d) == len(frees) and {(op.direction, op.size_bytes) for op in h2d} == {(O.CopyDirection.H2D, 2)}
+    # the persistent parameters: one list all_gather, one copy out per parameter, no sync
+    pers = [op for op in step if isinstance(op, O.Collective) and ".persistent:" in op.label]
+    n_pers = sum(1 for op in base.programs[0].step if isinstance(op, O.Collective) and ".persistent:" in op.label)
+    assert len(pers) == 1 and n_pers > 1
+    assert len([op for op in step if isinstance(op, O.Copy) and ".copy_out:" in op.label]) == n_pers
+    assert not syncs["synchronous gather of persistent parameters: torch.cuda.synchronize()"]
+    # the gradient path is 0.5.10's
+    rs = [op.label for op in step if isinstance(op, O.Collective) and op.kind is O.CollectiveKind.REDUCE_SCATTER]
+    assert rs == [op.label for op in base.programs[0].step
+                  if isinstance(op, O.Collective) and op.kind is O.CollectiveKind.REDUCE_SCATTER]
+
+
+def test_before_pr1188_runs_fp16_and_is_slower_than_the_baseline():
+    ds, notes = apply_version_rules(_cfg("bf16"), version_of("before-pr1188"))
+    assert ds.precision == "fp16" and "has no bf16" in notes[0] and "before-pr1188" in notes[0]
+    from commsim.api import predict
+    t = {p: predict(Scenario(model="tiny", nodes=1, gpus_per_node=8, seq=64, micro_batch=4, preset=p,
+                             mode="symmetric")).metrics.step_time_s for p in ("before-pr1188", "baseline")}
+    assert t["before-pr1188"] > t["baseline"]
