@@ -758,15 +758,17 @@ E2_MICRO, E2_SEQ = (4, 8, 16), (128, 256, 512)
 
 def e2_phases(tmp: Path) -> tuple[dict, list, list]:
     """Forward / backward / optimizer times of the 5.1B bing_bert on one p4d node over
-    the grid, for DeepSpeed 0.5.10 (``baseline``: PR 1188's state, which 0.5.5 shipped),
-    0.6.0 (``optimized``) and ZeRO-2; and the grid points where all of them fit."""
+    the grid, for DeepSpeed 0.5.4 (``before-pr1188``: the state before PR 1188), 0.5.10
+    (``baseline``: PR 1188's state, which 0.5.5 shipped), 0.6.0 (``optimized``) and
+    ZeRO-2; and the grid points where all of them fit."""
     # bing_bert 5.1B (DeepSpeed PR 1188): a bert config.json; DeepSpeed's transformer
     # kernel recomputed only attention dropout and GELU, so no layer-wise checkpointing.
     cfg = write_config(tmp, "bing-bert-5.1b", {"model_type": "bert", "hidden_size": 2560, "num_hidden_layers": 64,
                                                "num_attention_heads": 40, "intermediate_size": 10240,
                                                "vocab_size": 32003, "max_position_embeddings": 512,
                                                "type_vocab_size": 2})
-    presets = (("z3 0.5.10", 3, "baseline"), ("z3 0.6.0", 3, "optimized"), ("z2", 2, "current"))
+    presets = (("z3 0.5.4", 3, "before-pr1188"), ("z3 0.5.10", 3, "baseline"), ("z3 0.6.0", 3, "optimized"),
+               ("z2", 2, "current"))
     points = [(micro, seq) for micro in E2_MICRO for seq in E2_SEQ]
     phases: dict[tuple[str, int, int], dict[str, float] | None] = {}
     for name, stage, preset in presets:
@@ -784,30 +786,50 @@ def e2_phases(tmp: Path) -> tuple[dict, list, list]:
 def e2(tmp: Path) -> list[Row]:
     # PR 1188 was merged between DeepSpeed 0.5.4 and 0.5.5; 0.5.5-0.5.10 ship its state
     # (research note deepspeed-zero3-versions.md section 10.2), so its "after" figures are
-    # the baseline's (0.5.10). Its "before" (0.5.4) is not modelled: see SKIPPED.
+    # the baseline's (0.5.10), its "before" figures 0.5.4's (before-pr1188).
     phases, fit, points = e2_phases(tmp)
     grid = f"micro-batch {'/'.join(map(str, E2_MICRO))} x seq {'/'.join(map(str, E2_SEQ))}"
 
     def setup(name: str) -> str:
-        what = {"z3 0.5.10": "ZeRO-3 DeepSpeed 0.5.10 (baseline)", "z3 0.6.0": "ZeRO-3 DeepSpeed 0.6.0 (optimized)",
-                "z2": "ZeRO-2"}[name]
+        what = {"z3 0.5.4": "ZeRO-3 DeepSpeed 0.5.4 (before-pr1188)", "z3 0.5.10": "ZeRO-3 DeepSpeed 0.5.10 (baseline)",
+                "z3 0.6.0": "ZeRO-3 DeepSpeed 0.6.0 (optimized)", "z2": "ZeRO-2"}[name]
         return (f"p4d 1x8 A100-40GB; 5.1B bert config.json (h 2560, 64 layers, 40 heads, FFN 10240, vocab 32003), "
                 f"{what}, fp16, no checkpointing; range over {grid} where every version fits")
 
     fit_note = (f"{len(fit)} of {len(points)} points fit under ZeRO-3: "
                 + " ".join(f"{m}x{s}" for m, s in fit))
-    pr = "DeepSpeed PR 1188 text, after the PR"
-    cm = "the PR's final commit message, after"
+    pr = "DeepSpeed PR 1188 text"
+    cm = "the PR's final commit message"
     rows = []
-    for name, phase, pub, src in (("z3 0.5.10", "fwd", 270, pr), ("z3 0.5.10", "bwd", 670, pr),
-                                  ("z3 0.5.10", "fwd", 200, cm), ("z3 0.5.10", "bwd", 610, cm),
-                                  ("z2", "fwd", 60, "DeepSpeed PR 1188 text")):
+    for name, phase, pub, src in (("z3 0.5.10", "fwd", 270, f"{pr}, after the PR"),
+                                  ("z3 0.5.10", "bwd", 670, f"{pr}, after the PR"),
+                                  ("z3 0.5.10", "fwd", 200, f"{cm}, after"), ("z3 0.5.10", "bwd", 610, f"{cm}, after"),
+                                  ("z3 0.5.4", "fwd", 470, f"{pr}, before the PR"),
+                                  ("z3 0.5.4", "bwd", 900, f"{pr}, before the PR"),
+                                  ("z3 0.5.4", "fwd", 300, f"{cm}, before"), ("z3 0.5.4", "bwd", 680, f"{cm}, before"),
+                                  ("z2", "fwd", 60, pr)):
         values = [phases[name, m, s][phase] for m, s in fit]
         rows.append(range_row("E2", f"{name} {phase} ({src})", setup(name), "ms", pub, values, E2E, note=fit_note))
-    # ZeRO-3 over ZeRO-2 in forward, point by point: 270 / 60 after the PR
-    ratios = [phases["z3 0.5.10", m, s]["fwd"] / phases["z2", m, s]["fwd"] for m, s in fit]
-    rows.append(range_row("E2", "z3 0.5.10 fwd / z2 fwd (270 / 60, after the PR)",
-                          setup("z3 0.5.10") + "; ZeRO-2 at the same point", "x", 270 / 60, ratios, E2E, note=fit_note))
+
+    def ratio_row(what: str, num: str, den: str, phase: str, pub: float, den_phase: str | None = None) -> Row:
+        """num / den point by point (both versions at the same micro-batch and sequence)."""
+        values = [phases[num, m, s][phase] / phases[den, m, s][den_phase or phase] for m, s in fit]
+        return range_row("E2", what, setup(num) + f"; {den[3:] if den.startswith('z3') else 'ZeRO-2'} at the same "
+                         "point", "x", pub, values, E2E, note=fit_note)
+
+    rows.append(ratio_row("z3 0.5.10 fwd / z2 fwd (270 / 60, after the PR)", "z3 0.5.10", "z2", "fwd", 270 / 60))
+    rows.append(ratio_row("z3 0.5.4 fwd / z2 fwd (470 / 60, before the PR: 'about 8x')", "z3 0.5.4", "z2", "fwd",
+                          470 / 60))
+    for phase, before, after, src in (("fwd", 470, 270, pr), ("bwd", 900, 670, pr), ("fwd", 300, 200, cm),
+                                      ("bwd", 680, 610, cm)):
+        rows.append(ratio_row(f"z3 {phase} before / after PR 1188 ({before} / {after}, {src})", "z3 0.5.4",
+                              "z3 0.5.10", phase, before / after))
+    # "about 1.1 ms saved per all-gather of one layer": bing_bert's DeepSpeed transformer
+    # layer is one module, one gather a forward; the forward's saving over its 64 layers
+    saved = [(phases["z3 0.5.4", m, s]["fwd"] - phases["z3 0.5.10", m, s]["fwd"]) / 64 for m, s in fit]
+    rows.append(range_row("E2", "forward time PR 1188 saved per layer's all-gather", setup("z3 0.5.4")
+                          + "; 0.5.10 at the same point; the forward's difference over 64 layers", "ms", 1.1, saved,
+                          E2E, note=fit_note + "; the HF tree gathers a layer in 6 calls, DeepSpeed's fused layer in 1"))
     return rows
 
 
@@ -932,14 +954,6 @@ SKIPPED = [
     Skipped("A4", "fms-fsdp batch 12 / 14: 6.83 / 4.91 samples/s; T5-11B on 2 p4d: 5.81 s/batch",
             "needs an FSDP generator; no encoder-decoder (T5) family in the catalogue; stage 0-2 schedules "
             "allocate no activations, so no retries can appear in them"),
-    Skipped("E2", "about 1.1 ms saved per all-gather of one layer",
-            "a per-call host saving; commsim's phase times include it, but no per-call figure is defined the same way"),
-    Skipped("E2", "ZeRO-3 before PR 1188 (DeepSpeed 0.5.4): forward 470 / 300 ms, backward 900 / 680 ms, about "
-            "8x ZeRO-2's forward",
-            "0.5.4 is not modelled: its demand gathers took the per-parameter path with a torch.zeros fill, a "
-            "torch.cuda.synchronize() and the list all_gather (0.5.4 partition_parameters.py:835-880), and each "
-            "release copied torch.ones(1) from the host (a host sync per parameter, pp:728); no knob has these "
-            "(the seed's knobs are 0.5.10's differences from 0.6.0)"),
 ]
 
 ITEMS: dict[str, Callable[[Path], list[Row]]] = {
