@@ -33,7 +33,7 @@ PROCESSES = 6
 # the DeepSpeed routines' fields of HostCosts (launches come from calibrate itself)
 FIELDS = ("module_hook_ns", "fetch_param_ns", "gather_param_ns", "gather_param_rank_ns", "wait_param_ns",
           "wait_param_rank_ns", "release_hook_ns", "release_param_ns", "free_param_ns", "grad_hook_ns",
-          "reduce_flush_ns", "reduce_flush_rank_ns", "reduce_param_ns", "reduce_param_rank_ns")
+          "reduce_flush_ns", "reduce_flush_rank_ns", "reduce_param_ns", "reduce_param_rank_ns", "hook_plumbing_ns")
 
 
 def measure_host_costs(nproc: int, profile: str, log=print) -> dict:
@@ -68,7 +68,7 @@ def measure_host_costs(nproc: int, profile: str, log=print) -> dict:
     costs = {k: int(derived[k]) for k in FIELDS}
     log(f"DeepSpeed {version} host costs: {costs['module_hook_ns'] / 1e3:.0f} us per fetch hook, "
         f"{costs['release_hook_ns'] / 1e3:.0f} us per release hook, {costs['grad_hook_ns'] / 1e3:.0f} us per "
-        "gradient hook")
+        f"gradient hook, {costs['hook_plumbing_ns'] / 1e3:.0f} us of hook plumbing per module hook call")
     costs["source"] = (f"DeepSpeed {version}'s routines timed by commsim calibrate --deepspeed-host-costs "
                        f"(runtime/ds_host_costs.py, worlds {'/'.join(map(str, WORLDS))}, each call's minimum "
                        f"over {PROCESSES} processes)")

@@ -5,6 +5,7 @@
     python -m runtime.ds_host_costs --min-of merged.json run1.json run2.json ...
     python -m runtime.ds_host_costs --derive costs-*.json
     python -m runtime.ds_host_costs --derive-before-pr1188 derived.json pr1188/deepspeed-*.json
+    python -m runtime.ds_host_costs --derive-plumbing traces/host-costs plumbing/deepspeed-*.json
 
 One DeepSpeed release at a time (each in its own process: two releases cannot share
 one): 0.19.8 is the installed package; an older one is the unpacked source tree of
@@ -35,7 +36,11 @@ fitted by least squares to a fixed cost plus a cost per counted item. The bucket
 is also timed alone (0.19.8: ``CurrentRelease.flush_sweep``) holding 1-40 gradients,
 since a step's few flushes cannot separate its fixed cost from its cost per gradient;
 ``derive`` fits those where present. ``--min-of`` merges several processes' runs of one
-world into each call's minimum (``calibrate`` times six). Separately:
+world into each call's minimum (``calibrate`` times six). Around the routines, each
+step's forward + backward is also timed whole beside a plain step of the same model:
+what neither holds is DeepSpeed's hook plumbing, per module hook call
+(``runtime.ds_host_plumbing``). The fits, the merging of runs and the derivations from
+stored figures are ``runtime.ds_host_derive``'s. Separately:
 one PyTorch op's dispatch and one c10d collective call (the fake backend: c10d's
 Python and C++ path without a network). The JSON holds every fit with its residual,
 the counts, the machine, the date and the torch version.
@@ -53,24 +58,28 @@ import sys
 import warnings
 from pathlib import Path
 
+from runtime.ds_host_derive import (CPU_SCALE, CUDA_LAUNCH_NS, PR1188_CHANGED, derive, derive_before_pr1188,
+                                    derive_plumbing, min_over_runs)
 from runtime.ds_host_old import OldRelease
-from runtime.ds_host_setup import (BUCKET, FFN, HIDDEN, LAYERS, LIVE, PERSISTENCE, PREFETCH_BUCKET, REUSE, STEPS,
-                                   VOCAB, WORLD, fake_world, model_config, noop_handle)
+from runtime.ds_host_plumbing import ForwardBackwardWindow, plain_step_ns, plumbing, wrapper_overhead_ns
+from runtime.ds_host_setup import (BUCKET, FFN, FLUSH_COUNTS, HIDDEN, LAYERS, LIVE, PERSISTENCE, PREFETCH_BUCKET,
+                                   REUSE, STEPS, VOCAB, WORLD, fake_world, model_config, noop_handle)
 from runtime.ds_host_timing import (Recorder, clock, count_gathers, count_queue_pops, count_waits, cpu_name, fit,
                                     min_over_steps, primitives)
 
-# The bucket flush timed alone (CurrentRelease.flush_sweep): gradients per flush, and
-# repeats of each (each count's minimum is kept). Only the parameters whose elements
-# divide evenly among SWEEP_RANKS ranks (40 of the model's 106: weights, embeddings):
-# reduce_scatter_coalesced pads every rank's piece of an uneven tensor with a fresh
-# torch.empty, which the width-16 model's biases and LayerNorms would pay at 64-128 ranks
-# (a 16-element bias at 128 ranks: 112 allocations) and a real model's, thousands of
-# elements wide, do not.
-FLUSH_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 40)
+# The bucket flush timed alone (CurrentRelease.flush_sweep): gradients per flush
+# (ds_host_setup.FLUSH_COUNTS), and repeats of each (each count's minimum is kept). Only
+# the parameters whose elements divide evenly among SWEEP_RANKS ranks (40 of the model's
+# 106: weights, embeddings): reduce_scatter_coalesced pads every rank's piece of an
+# uneven tensor with a fresh torch.empty, which the width-16 model's biases and
+# LayerNorms would pay at 64-128 ranks (a 16-element bias at 128 ranks: 112 allocations)
+# and a real model's, thousands of elements wide, do not.
 FLUSH_REPEATS = 100
 SWEEP_RANKS = 128
 
-__all__ = ["CurrentRelease", "OldRelease", "derive", "fit", "measure", "model_config"]
+# (the derivation lives in ds_host_derive; its names stay importable from here)
+__all__ = ["CPU_SCALE", "CUDA_LAUNCH_NS", "CurrentRelease", "OldRelease", "PR1188_CHANGED", "derive",
+           "derive_before_pr1188", "derive_plumbing", "fit", "measure", "min_over_runs", "model_config"]
 
 # ---------------------------------------------------------------- release 0.19.8
 
@@ -208,15 +217,25 @@ class CurrentRelease:
 # ---------------------------------------------------------------- main
 
 
-def measure(release, steps: int = STEPS, log=print, flush_repeats: int = FLUSH_REPEATS) -> dict:
+def measure(release, steps: int = STEPS, log=print, flush_repeats: int = FLUSH_REPEATS) -> tuple[dict, dict, dict]:
+    """(fits, each call's minimum, the hook plumbing per call: ds_host_plumbing)."""
+    from runtime.torch_models import build_model
+
     rec = Recorder()
     release.build(rec)
-    per_step = []
+    torch = release.torch
+    plain = build_model(model_config())
+    plain.gradient_checkpointing_enable(True)
+    window = ForwardBackwardWindow(torch, release.model, rec)
+    per_step, untimed, plain_ns = [], [], []
     for i in range(steps + 2):
         rec.reset()
-        release.step()
+        window.run(release.step)
+        t_plain = plain_step_ns(torch, plain, VOCAB)  # right after, on the same minutes
         if i >= 2:
             per_step.append({k: list(v) for k, v in rec.calls.items()})
+            untimed.append(window.elapsed_ns - window.routines_ns)
+            plain_ns.append(t_plain)
         log(f"step {i}: " + ", ".join(f"{k} {len(v)} calls {sum(t for t, _ in v) / 1e6:.1f} ms"
                                       for k, v in sorted(rec.calls.items())))
     calls = min_over_steps(per_step)
@@ -233,138 +252,9 @@ def measure(release, steps: int = STEPS, log=print, flush_repeats: int = FLUSH_R
         calls["flush_sweep"] = release.flush_sweep(repeats=flush_repeats)
         fits["flush_sweep"] = fit(calls["flush_sweep"], ["grad"], relative=True)
         log("flush alone: " + ", ".join(f"{c['grad']} grads {t / 1e3:.0f} us" for t, c in calls["flush_sweep"]))
-    return fits, calls
-
-
-def min_over_runs(docs: list[dict]) -> dict:
-    """One measurement from several processes' of the same release and world: each
-    call's minimum over them (the same calls with the same counts in each). This
-    machine's speed drifts between processes (the same flush 10-30% apart), so the
-    fastest process's time of each call is what the routine costs, as each call's
-    minimum over the steps is within one."""
-    first = docs[0]
-    assert all((d["deepspeed"], d["world"]) == (first["deepspeed"], first["world"]) for d in docs)
-    for routine, rows in first["calls"].items():
-        assert all([c for _, c in d["calls"][routine]] == [c for _, c in rows] for d in docs), routine
-    calls = {k: [[t, c] for t, c in v] for k, v in min_over_steps([d["calls"] for d in docs]).items()}
-    prims = {k: min(d["primitives"][k] for d in docs) for k in first["primitives"]}
-    return {**first, "calls": calls, "primitives": prims, "processes": len(docs)}
-
-
-# cudaLaunchKernel's host-side cost: back-to-back launches of a short kernel take
-# 3.8 us each when they overlap the kernels' execution (NVIDIA Developer Blog, A. Gray,
-# "Getting Started with CUDA Graphs", 2019: 9.6 us per kernel with a synchronize after
-# each, 3.8 us without, 3.4 us as a graph, for a 2.9 us kernel).
-CUDA_LAUNCH_NS = 3_800
-# The p4d host's CPU (Xeon Platinum 8275CL) against this machine's, per thread: no
-# single-thread benchmark of both was at hand, so taken as equal (a Zen 4 core is
-# likely somewhat faster per thread than a Cascade Lake one: the p4d's costs are then
-# underestimated, not overestimated).
-CPU_SCALE = 1.0
-
-
-def derive(paths: list[str], exact: bool = False) -> dict[str, dict[str, int]]:
-    """HostCosts fields per release from the measurements at two or more world sizes:
-    the calls of all of them fitted together, the loops over ranks as a per-rank term.
-    Rounded to 100 ns for knobs.HOST_COSTS; ``exact``: to 1 ns (a calibration's
-    figures: its per-rank terms are a few hundred ns, where 100 ns steps would be a
-    20-50% quantisation)."""
-    docs = [json.loads(Path(p).read_text()) for p in paths]
-    out = {}
-    for version in sorted({d["deepspeed"] for d in docs}):
-        ds = [d for d in docs if d["deepspeed"] == version]
-
-        def joint(routine, features, per_rank=(), rank=False, relative=False, known_rank_ns=0.0):
-            """``per_rank``: features whose cost also grows with the world (a loop over
-            ranks per item); ``rank``: a part of the fixed cost that does (``per_rank_ns``);
-            ``known_rank_ns``: such a part measured apart, taken off each call first."""
-            calls = []
-            for d in ds:
-                for t, c in d["calls"].get(routine, []):
-                    t = t - known_rank_ns * d["world"]
-                    c = dict(c)
-                    for f in per_rank:
-                        c[f"{f}_x_rank"] = c.get(f, 0) * d["world"]
-                    if rank:
-                        c["rank"] = d["world"]
-                    calls.append((t, c))
-            return fit(calls, list(features) + [f"{f}_x_rank" for f in per_rank] + (["rank"] if rank else []),
-                       relative=relative)
-
-        fetch = joint("fetch", ["param", "gathered", "waited"], per_rank=("gathered", "waited"))
-        release = joint("release", ["param", "freed"])
-        grad = joint("grad_hook", [])
-        # The flush timed alone over 1-40 gradients where measured (0.19.8), fitted on
-        # relative residuals; else the step's own flushes. Its fixed part grows with the
-        # world too: reduce_scatter_coalesced chunks the flat buffer into one view per
-        # rank once per flush. Where the run timed torch.chunk's per view (primitives),
-        # that is the per-rank term, taken off before the fit; else it is fitted (the
-        # stored tables: an intercept between two worlds, 39% apart over three
-        # calibrations, where the chunk alone is within 1%).
-        sweep = all(d["calls"].get("flush_sweep") for d in ds)
-        chunk = [d["primitives"].get("chunk_view_ns") for d in ds]
-        chunk_ns = float(min(chunk)) if sweep and all(v is not None for v in chunk) else None
-        flush = joint("flush_sweep" if sweep else "flush", ["grad"], per_rank=("grad",), rank=chunk_ns is None,
-                      relative=sweep, known_rank_ns=chunk_ns or 0.0)
-        if chunk_ns is not None:
-            flush["per_rank_ns"] = chunk_ns
-        debug = next((d["debug_string_ns"] for d in ds if d.get("debug_string_ns")), 0)
-        small = [d for d in ds if d["world"] == min(x["world"] for x in ds)][0]
-        prim = small["primitives"]
-
-        def scaled(v: float) -> int:
-            return int(round(v * CPU_SCALE, 0 if exact else -2))
-
-        out[version] = {
-            "launch_ns": scaled(prim["torch_op_ns"]) + CUDA_LAUNCH_NS,
-            "collective_launch_ns": scaled(prim["c10d_all_gather_ns"]) + CUDA_LAUNCH_NS,
-            "module_hook_ns": scaled(fetch["fixed_ns"]),
-            "fetch_param_ns": scaled(max(0, fetch["per_param_ns"] - debug)),
-            "gather_param_ns": scaled(fetch["per_gathered_ns"]),
-            "gather_param_rank_ns": scaled(fetch["per_gathered_x_rank_ns"]),
-            "wait_param_ns": scaled(fetch["per_waited_ns"]),
-            "wait_param_rank_ns": scaled(fetch["per_waited_x_rank_ns"]),
-            "release_hook_ns": scaled(release["fixed_ns"]),
-            "release_param_ns": scaled(release["per_param_ns"]),
-            "free_param_ns": scaled(release["per_freed_ns"]),
-            "grad_hook_ns": scaled(grad["fixed_ns"]),
-            "reduce_flush_ns": scaled(flush["fixed_ns"]),
-            "reduce_flush_rank_ns": scaled(flush["per_rank_ns"]),
-            "reduce_param_ns": scaled(flush["per_grad_ns"]),
-            "reduce_param_rank_ns": scaled(flush["per_grad_x_rank_ns"]),
-            "debug_string_ns": scaled(debug),
-            "_fit": {"fetch_r2": fetch["r2"], "release_r2": release["r2"], "flush_r2": flush["r2"],
-                     "fetch_rms_ns": fetch["rms_residual_ns"], "worlds": sorted(d["world"] for d in ds),
-                     "flush_timed": f"alone, {FLUSH_COUNTS[0]}-{FLUSH_COUNTS[-1]} gradients" if sweep else "in the step",
-                     "flush_per_rank": "torch.chunk per view, timed alone" if chunk_ns is not None else "fitted",
-                     "date": ds[0]["date"], "cpu": ds[0]["machine"]["cpu"]},
-        }
-    return out
-
-
-# DeepSpeed 0.5.4's routines that differ from 0.5.10's (its gather path builds the
-# output list in a loop over the ranks; its release makes torch.ones(1) on the host):
-# field -> the field whose machine ratio scales it where 0.5.10 has no such term
-PR1188_CHANGED = {"gather_param_ns": "gather_param_ns", "gather_param_rank_ns": "gather_param_ns",
-                  "free_param_ns": "free_param_ns"}
-
-
-def derive_before_pr1188(stored_0510: dict[str, int], paths: list[str]) -> dict[str, int]:
-    """0.5.4's HostCosts fields from a run of 0.5.4 beside 0.5.10 on one machine
-    (``paths``: both releases, two worlds each) and 0.5.10's stored figures from
-    another: 0.5.10's figures, with each routine whose code differs scaled by the two
-    releases' ratio on the common machine (a term 0.5.10 lacks, by the ratio of that
-    routine between the two machines), so that the releases differ by their code."""
-    both = derive(paths)
-    new, old = both["0.5.4"], both["0.5.10"]
-    out = {k: v for k, v in stored_0510.items() if not k.startswith("_")}
-    for field, base in PR1188_CHANGED.items():
-        if old[field]:
-            value = stored_0510[field] * new[field] / old[field]
-        else:
-            value = new[field] * stored_0510[base] / old[base]
-        out[field] = int(round(value, -2))
-    return out
+    hooks = plumbing(untimed, plain_ns, window.calls, wrapper_overhead_ns(plain))
+    log(f"hook plumbing: {hooks['per_hook_call_ns'] / 1e3:.1f} us per module hook call")
+    return fits, calls, hooks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv and argv[0] == "--derive":
         print(json.dumps(derive(argv[1:]), indent=1))
+        return 0
+    if argv and argv[0] == "--derive-plumbing":
+        # python -m runtime.ds_host_costs --derive-plumbing STORED_DIR RUN.json ...
+        stored = [json.loads(p.read_text()) for p in sorted(Path(argv[1]).glob("deepspeed-*-world*.json"))]
+        print(json.dumps(derive_plumbing(stored, [json.loads(Path(p).read_text()) for p in argv[2:]]), indent=1))
         return 0
     if argv and argv[0] == "--derive-before-pr1188":
         # python -m runtime.ds_host_costs --derive-before-pr1188 STORED_0.5.10_DERIVED.json PAIR_RUNS.json ...
@@ -401,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    fits, calls = measure(release, args.steps, log, args.flush_repeats)
+    fits, calls, hooks = measure(release, args.steps, log, args.flush_repeats)
     doc = {
         "deepspeed": args.deepspeed,
         "fits": fits,
+        "plumbing": hooks,
         # each call's minimum time over the steps, with its counts: what derive() fits
         "calls": {k: [[t, c] for t, c in v] for k, v in calls.items()},
         "debug_string_ns": release.debug_string_ns(),

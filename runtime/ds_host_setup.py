@@ -22,6 +22,8 @@ PREFETCH_BUCKET = 2 * HIDDEN * HIDDEN  # two attention weights
 PERSISTENCE = HIDDEN * HIDDEN  # below a weight, above a bias
 REUSE = LIVE = 2200  # about 0.1 of the model's 22k elements
 BUCKET = 19 * HIDDEN * HIDDEN  # reduce bucket 5e8: about 19 attention weights
+# gradients per bucket flush when the flush is timed alone (ds_host_costs.flush_sweep)
+FLUSH_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 40)
 
 
 def model_config():

@@ -178,6 +178,11 @@ class HostCosts:
     release_hook_ns: int = 20_600
     release_param_ns: int = 2_500
     free_param_ns: int = 41_600
+    # Around each module hook call (fetch or release): PyTorch calling the hook, the
+    # hook function, the autograd Functions wrapping the module's inputs and outputs
+    # (their forward, and the backward that fires the backward hooks), parameter access
+    # through ZeROOrderedDict (0.6.0 on); runtime/ds_host_plumbing.py.
+    hook_plumbing_ns: int = 56_000
     # The per-parameter gradient hook (bucket bookkeeping, the copy call).
     grad_hook_ns: int = 23_300
     # A bucket flush: fixed, per rank (its partition bookkeeping), and per gradient in
@@ -223,15 +228,21 @@ class HostCosts:
 # of the six runs) add cudaLaunchKernel's 3.8 us (NVIDIA Developer Blog, "Getting
 # Started with CUDA Graphs", 2019) to a PyTorch op's dispatch (2.5-2.7 us) and to a
 # c10d all_gather call (9.9-10.8 us, its fake backend at 8 ranks) measured here.
-# 0.19.8's are the dataclass defaults.
+# 0.19.8's are the dataclass defaults. The hook plumbing (hook_plumbing_ns), which those
+# six runs did not measure, was timed later on another machine (an AMD EPYC Zen 5 VM
+# core, 2026-12-02: every release at 8 and 64 ranks, three processes each,
+# traces/host-costs/plumbing/; 12.8 / 18.3 / 37.1 us per hook call there for 0.5.10 /
+# 0.6.0 / 0.19.8) and scaled by each release's own ratio of the two machines on its
+# timed routines (1.5-1.6x): ``python -m runtime.ds_host_costs --derive-plumbing
+# traces/host-costs traces/host-costs/plumbing/deepspeed-*.json``.
 HOST_COSTS: dict[str, HostCosts] = {
     "0.19.8": HostCosts(),
-    "0.6.0": HostCosts(module_hook_ns=35_900, fetch_param_ns=1_800, gather_param_ns=44_100,
+    "0.6.0": HostCosts(hook_plumbing_ns=29_100, module_hook_ns=35_900, fetch_param_ns=1_800, gather_param_ns=44_100,
                        gather_param_rank_ns=200, wait_param_ns=33_400, wait_param_rank_ns=1_200,
                        release_hook_ns=13_900, release_param_ns=1_500, free_param_ns=40_800, grad_hook_ns=26_000,
                        reduce_flush_ns=0, reduce_flush_rank_ns=0, reduce_param_ns=23_600,
                        reduce_param_rank_ns=3_400),
-    "0.5.10": HostCosts(module_hook_ns=16_400, fetch_param_ns=7_500, gather_param_ns=38_200, gather_param_rank_ns=0,
+    "0.5.10": HostCosts(hook_plumbing_ns=20_000, module_hook_ns=16_400, fetch_param_ns=7_500, gather_param_ns=38_200, gather_param_rank_ns=0,
                         wait_param_ns=0, wait_param_rank_ns=0, release_hook_ns=4_900, release_param_ns=5_200,
                         free_param_ns=20_600, grad_hook_ns=16_400, reduce_flush_ns=400_300, reduce_flush_rank_ns=800,
                         reduce_param_ns=9_300, reduce_param_rank_ns=2_100, debug_string_ns=3_500),

@@ -129,7 +129,8 @@ class ParamCoordinator(AllGathers):
         b, c, lay = self.b, self.costs, self.layout
         m = e.module
         params = lay.unique_in_ds_order(m.params)
-        b.host(f"hook {m.path}", O.HostKind.MODULE_HOOK, c.module_hook_ns + c.fetch_param_ns * len(params))
+        b.host(f"hook {m.path}", O.HostKind.MODULE_HOOK,
+               c.hook_plumbing_ns + c.module_hook_ns + c.fetch_param_ns * len(params))
         for p in params:
             self.holders[p.name].add(m.path)
         if self.knobs.fine_grained_sync:
@@ -265,7 +266,8 @@ class ParamCoordinator(AllGathers):
         m = e.module
         params = self.layout.unique_in_ds_order(m.params)
         c = self.costs
-        self.b.host(f"release {m.path}", O.HostKind.MODULE_HOOK, c.release_hook_ns + c.release_param_ns * len(params))
+        self.b.host(f"release {m.path}", O.HostKind.MODULE_HOOK,
+                    c.hook_plumbing_ns + c.release_hook_ns + c.release_param_ns * len(params))
         if self.knobs.precomputed_fetch:
             release = self._params_to_release(step_id, e)
         else:

@@ -103,6 +103,13 @@ def test_the_knobs_constants_are_the_stored_measurements_derived():
             assert getattr(HOST_COSTS["0.5.4"], name) == value, name
     assert before["gather_param_ns"] > 1.4 * derived["0.5.10"]["gather_param_ns"] and before["gather_param_rank_ns"] > 0
     assert {k for k in before if before[k] != derived["0.5.10"][k]} == set(H.PR1188_CHANGED)
+    # the hook plumbing, timed later on another machine, scaled per release to the stored runs'
+    runs = [json.loads(p.read_text()) for p in sorted((ROOT / "traces" / "host-costs" / "plumbing").glob("*.json"))]
+    plumbing = H.derive_plumbing([json.loads(p.read_text()) for p in STORED], runs)
+    assert set(plumbing) == set(derived)
+    for version, value in plumbing.items():
+        assert HOST_COSTS[version].hook_plumbing_ns == value > 0, version
+    assert HOST_COSTS["0.5.4"].hook_plumbing_ns == HOST_COSTS["0.5.10"].hook_plumbing_ns  # the same hooks
     for version, fields in derived.items():
         assert fields["_fit"]["worlds"] == [8, 64]
         for name, value in fields.items():
@@ -150,6 +157,13 @@ def test_installed_deepspeed_is_timed_routine_by_routine(tmp_path):
     sweep = doc["calls"]["flush_sweep"]
     assert [c["grad"] for _, c in sweep] == list(H.FLUSH_COUNTS)
     assert sweep[-1][0] > sweep[0][0] > 0 and fits["flush_sweep"]["per_grad_ns"] > 0
+    # the hook plumbing: the window held every module hook of the step (350 fetches and
+    # 344 releases: test_stored_measurements_saw_the_hooks_commsims_trace_has) but the
+    # root module's fetch, which runs before its forward, and more time than its routines
+    # and the plain model's step together
+    hooks = doc["plumbing"]
+    assert hooks["hook_calls"] == 349 + 344 and hooks["wrapped_calls"] > hooks["hook_calls"]
+    assert hooks["untimed_ns"] > hooks["plain_ns"] > 0 and hooks["per_hook_call_ns"] > 0
 
 
 def test_deepspeeds_host_costs_join_the_calibrations_own():
