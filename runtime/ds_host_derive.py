@@ -46,6 +46,16 @@ CUDA_LAUNCH_NS = 3_800
 CPU_SCALE = 1.0
 
 
+# HostCosts field <- (the routine's fit, its term)
+FITTED = {"module_hook_ns": ("fetch", "fixed_ns"), "gather_param_ns": ("fetch", "per_gathered_ns"),
+          "gather_param_rank_ns": ("fetch", "per_gathered_x_rank_ns"), "wait_param_ns": ("fetch", "per_waited_ns"),
+          "wait_param_rank_ns": ("fetch", "per_waited_x_rank_ns"),
+          "release_hook_ns": ("release", "fixed_ns"), "release_param_ns": ("release", "per_param_ns"),
+          "free_param_ns": ("release", "per_freed_ns"), "grad_hook_ns": ("grad_hook", "fixed_ns"),
+          "reduce_flush_ns": ("flush", "fixed_ns"), "reduce_flush_rank_ns": ("flush", "per_rank_ns"),
+          "reduce_param_ns": ("flush", "per_grad_ns"), "reduce_param_rank_ns": ("flush", "per_grad_x_rank_ns")}
+
+
 def derive(paths: list[str], exact: bool = False) -> dict[str, dict[str, int]]:
     """HostCosts fields per release from the measurements at two or more world sizes:
     the calls of all of them fitted together, the loops over ranks as a per-rank term.
@@ -100,23 +110,12 @@ def derive(paths: list[str], exact: bool = False) -> dict[str, dict[str, int]]:
         def scaled(v: float) -> int:
             return int(round(v * CPU_SCALE, 0 if exact else -2))
 
+        fits = {"fetch": fetch, "release": release, "grad_hook": grad, "flush": flush}
         out[version] = {
             "launch_ns": scaled(prim["torch_op_ns"]) + CUDA_LAUNCH_NS,
             "collective_launch_ns": scaled(prim["c10d_all_gather_ns"]) + CUDA_LAUNCH_NS,
-            "module_hook_ns": scaled(fetch["fixed_ns"]),
+            **{field: scaled(fits[routine][term]) for field, (routine, term) in FITTED.items()},
             "fetch_param_ns": scaled(max(0, fetch["per_param_ns"] - debug)),
-            "gather_param_ns": scaled(fetch["per_gathered_ns"]),
-            "gather_param_rank_ns": scaled(fetch["per_gathered_x_rank_ns"]),
-            "wait_param_ns": scaled(fetch["per_waited_ns"]),
-            "wait_param_rank_ns": scaled(fetch["per_waited_x_rank_ns"]),
-            "release_hook_ns": scaled(release["fixed_ns"]),
-            "release_param_ns": scaled(release["per_param_ns"]),
-            "free_param_ns": scaled(release["per_freed_ns"]),
-            "grad_hook_ns": scaled(grad["fixed_ns"]),
-            "reduce_flush_ns": scaled(flush["fixed_ns"]),
-            "reduce_flush_rank_ns": scaled(flush["per_rank_ns"]),
-            "reduce_param_ns": scaled(flush["per_grad_ns"]),
-            "reduce_param_rank_ns": scaled(flush["per_grad_x_rank_ns"]),
             "debug_string_ns": scaled(debug),
             **({"hook_plumbing_ns": scaled(statistics.median(hooks))} if hooks else {}),
             "_fit": {"fetch_r2": fetch["r2"], "release_r2": release["r2"], "flush_r2": flush["r2"],
