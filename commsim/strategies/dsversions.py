@@ -58,7 +58,7 @@ class DeepSpeedVersion:
     # copied in (pp:835-880); 0.5.10 launches them all (_allgather_params_coalesced,
     # pp:918-986) and synchronises once after.
     demand_gather_per_param: bool = False
-    # The list all_gather (0.5.4 has no _all_gather_base: pp:876-880, 911-914):
+    # The list all_gather (0.5.4 has no _all_gather_base: pp:875-878, 912-915):
     # ProcessGroupNCCL gathers into a flat buffer of its own and copies each rank's
     # piece out to the list, one copy_ per rank.
     list_all_gather: bool = False

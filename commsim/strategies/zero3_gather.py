@@ -105,16 +105,16 @@ class AllGathers:
         # parameters' in 0.5.4
         per_param_path = why == "prefetch" or (why == "fetch" and self.version.demand_gather_per_param)
         if per_param_path and not self.knobs.empty_gather_buffers:
-            # 0.5.10 _allgather_param: torch.zeros(aligned_param_size) (pp:875; 0.5.4 pp:849)
+            # 0.5.10 _allgather_param: torch.zeros(aligned_param_size) (pp:875; 0.5.4 pp:850)
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.compute(s, f"ag{k}.zero_fill", O.ComputeKind.ELEMENTWISE, 0, 0, out_bytes, buffers=target)
         if per_param_path and not self.knobs.fine_grained_sync:
-            # 0.5.10 _allgather_param: torch.cuda.synchronize() before the all-gather (pp:882; 0.5.4 pp:856)
+            # 0.5.10 _allgather_param: torch.cuda.synchronize() before the all-gather (pp:882; 0.5.4 pp:857)
             b.sync_device(f"ag{k}: torch.cuda.synchronize() before the {why} all-gather (pp:882)")
         label = f"{b.phase.value}.ag{k}.{why}:{batch[0].name}" + (f"+{len(batch) - 1}" if len(batch) > 1 else "")
         if self.version.list_all_gather and not secondary and lay.groups.inter is None:
-            # 0.5.4: the shard copied into its own slot of the output list (pp:870-872),
-            # then the list all_gather (pp:874-878)
+            # 0.5.4: the shard copied into its own slot of the output list (pp:873),
+            # then the list all_gather (pp:875-878)
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.copy(s, f"ag{k}.shard_in", O.CopyDirection.D2D, shard * lay.dt, buffers=target)
             self._list_all_gather(s, label, out_bytes, target)
