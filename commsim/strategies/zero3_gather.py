@@ -60,7 +60,6 @@ class AllGathers:
     persistent: frozenset[str]
     n_available: int
     n_ag: int
-    n_list_ag: int
 
     def pbuf(self, p: ParamSpec) -> str:
         """The buffer holding ``p`` gathered."""
@@ -117,7 +116,7 @@ class AllGathers:
             # then the list all_gather (pp:875-878)
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.copy(s, f"ag{k}.shard_in", O.CopyDirection.D2D, shard * lay.dt, buffers=target)
-            self._list_all_gather(s, label, out_bytes, target)
+            self._list_all_gather(k, s, label, out_bytes, target)
             self._gathered(batch, flat, out_bytes)
             return
         g = lay.groups
@@ -153,14 +152,13 @@ class AllGathers:
             self.status[p.name] = INFLIGHT
             self.handle[p.name] = handle
 
-    def _list_all_gather(self, s: str, label: str, out_bytes: int, target: tuple[str, ...]) -> None:
+    def _list_all_gather(self, k: int, s: str, label: str, out_bytes: int, target: tuple[str, ...]) -> None:
         """torch.distributed.all_gather with a list of outputs on NCCL (PyTorch 1.8-1.10's
         ProcessGroupNCCL::allgather): a flat buffer of its own allocated for NCCL's
         output, then each rank's piece copied out to its list entry, one ``copy_`` per
         rank launched from the calling thread; the buffer freed after."""
         b, c, lay = self.b, self.costs, self.layout
-        self.n_list_ag += 1
-        tmp = f"aglist[{self.n_list_ag}]"
+        tmp = f"aglist[{k}]"  # (k: the gather call's number)
         b.alloc(tmp, out_bytes, s, "list all_gather: ProcessGroupNCCL's flat output")
         b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
         b.collective(s, label, O.CollectiveKind.ALL_GATHER, out_bytes, lay.dtype, lay.groups.partition,
@@ -203,7 +201,7 @@ class AllGathers:
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
             b.copy(COMPUTE, f"ag{k}.shard_in:{p.name}", O.CopyDirection.D2D, lay.part[p.name] * lay.dt,
                    buffers=(flat,))
-        self._list_all_gather(COMPUTE, f"{b.phase.value}.ag{k}.persistent:{pers[0].name}+{len(pers) - 1}",
+        self._list_all_gather(k, COMPUTE, f"{b.phase.value}.ag{k}.persistent:{pers[0].name}+{len(pers) - 1}",
                               out_bytes, (flat,))
         for p in pers:
             b.alloc(self.pbuf(p), lay.part[p.name] * lay.n_part * lay.dt, COMPUTE, f"gathered {p.name}")

@@ -100,7 +100,6 @@ class ParamCoordinator(AllGathers):
         self.secondary: set[str] = set()  # hpZ: parameters holding a secondary shard
         self.fetch_events: list[O.OpId] = []
         self.n_ag = 0
-        self.n_list_ag = 0
         self.n_available = 0
         # per forward + backward (reset_micro_step)
         self.queue: deque[tuple[str, int]] = deque()
