@@ -258,9 +258,12 @@ class GradReducer:
                           buffers=inp)
                 wait = ()
             if not self.knobs.flat_reduce_scatter:
-                # the list API: ProcessGroupNCCL flattens the input list into a new tensor
+                # the list API: ProcessGroupNCCL flattens the input list into a new tensor,
+                # one copy_ per rank's piece launched from the calling thread
+                # (flatten_for_scatter_gather), as the list all_gather copies out
                 tmp = f"rstmp[{k}]"
                 b.alloc(tmp, size, s, f"reduce-scatter flatten buffer {k}")
+                b.host("launch", O.HostKind.LAUNCH, c.launch_ns * lay.n_part)
                 b.copy(s, f"rs{k}.flatten_list", O.CopyDirection.D2D, size, deps=wait, buffers=inp + (tmp,))
                 wait = ()
                 inp = (tmp,)

@@ -17,7 +17,7 @@ from commsim.models import MODEL_PRESETS, describe
 from commsim.strategies import World, generate
 from commsim.strategies.dsconfig import parse_ds_config
 from commsim.strategies.dsversions import VERSIONS, apply_version_rules, version_of
-from commsim.strategies.knobs import KNOB_PRESETS
+from commsim.strategies.knobs import KNOB_PRESETS, host_costs_for
 from commsim.strategies.zero3_trace import module_trace
 
 AG = O.CollectiveKind.ALL_GATHER
@@ -207,7 +207,12 @@ def test_baseline_gathers_every_use_on_demand_with_device_syncs(zero):
     # one reduce-scatter per gradient through the list API (a flatten copy each)
     rs = [op for op in step if isinstance(op, O.Collective) and op.kind is O.CollectiveKind.REDUCE_SCATTER]
     assert len(rs) == len(md.unique_params())
-    assert len([op for op in step if isinstance(op, O.Copy) and ".flatten_list" in op.label]) == len(rs)
+    flat = [i for i, op in enumerate(step) if isinstance(op, O.Copy) and ".flatten_list" in op.label]
+    assert len(flat) == len(rs)
+    # ... one copy_ per rank's piece, each launched from the host (flatten_for_scatter_gather)
+    launches = [next(op for op in reversed(step[:i]) if isinstance(op, O.HostWork)) for i in flat]
+    assert {(op.kind, op.duration_ns) for op in launches} == {(O.HostKind.LAUNCH,
+                                                               2 * host_costs_for("0.5.10").launch_ns)}
     # no prefetch, so no zero-filled prefetch buffers and no pre-launch synchronizes
     assert not [op for op in step if isinstance(op, O.Compute) and op.label.endswith(".zero_fill")]
     assert not syncs["before the prefetch all-gather"]
