@@ -62,6 +62,7 @@ from commsim.hardware.profile_doc import mean_profile  # noqa: E402
 from commsim.ir.errors import CommsimInputError  # noqa: E402
 from commsim.ir.serialize import save_schedule  # noqa: E402
 from runtime.calibrate_ds import FIELDS as DS_FIELDS, merge_host_costs  # noqa: E402
+from runtime.fsdp2_host_costs import measure_for_profile as measure_fsdp2_hooks  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -361,6 +362,11 @@ def main() -> None:
         measured = json.loads(base.read_text())["host_costs"]
         host_costs = {k: v for k, v in measured.items() if k in DS_FIELDS}  # each row keeps its own launches
         host_costs["source"] = "DeepSpeed's routines timed by commsim calibrate --deepspeed-host-costs"
+    fsdp2_costs = None
+    if any(r.fsdp is not None for r in rows):
+        # FSDP2's per-hook Python: measured once, as calibrate --fsdp2-host-costs does
+        print("measuring FSDP2's host costs ...", flush=True)
+        fsdp2_costs = measure_fsdp2_hooks(log=lambda m: None)
     if args.calibrate_once:
         for key in sorted({row_key(r) for r in rows}, key=str):
             profiles[key] = work / f"profile-{key}.json"
@@ -370,9 +376,10 @@ def main() -> None:
     print(f"{'row':<34}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}"
           + ("   (each run)" if args.repeats > 1 else ""), flush=True)
     def with_host_costs(row: Row, profile: Path) -> None:
-        if row.runner == "deepspeed":
+        costs = host_costs if row.runner == "deepspeed" else fsdp2_costs if row.fsdp is not None else None
+        if costs:
             obj = json.loads(profile.read_text())
-            obj["host_costs"] = merge_host_costs(obj.get("host_costs"), host_costs)
+            obj["host_costs"] = merge_host_costs(obj.get("host_costs"), costs)
             profile.write_text(json.dumps(obj, indent=1))
 
     def measure(row: Row, cfg_path: Path, sched_path: Path, out: Path) -> float:

@@ -156,27 +156,35 @@ def derive_before_pr1188(stored_0510: dict[str, int], paths: list[str]) -> dict[
 SPEED_ROUTINES = ("fetch", "release", "grad_hook", "flush")
 
 
+def machine_ratio(stored: list[dict], today: list[dict]) -> float:
+    """How much slower the stored runs' machine ran one release's code than today's: its
+    timed routines' per-call minima summed in the stored runs over the same sum in
+    today's (the same calls with the same counts), the median over the stored worlds.
+    Both lists hold runs of one release; several of today's at a world are merged
+    (``min_over_runs``)."""
+    ratios = []
+    for old in stored:
+        same = [d for d in today if d["world"] == old["world"]]
+        assert same, f"{old['deepspeed']}: no run at {old['world']} ranks"
+        new = min_over_runs(same) if len(same) > 1 else same[0]
+        t_old = sum(t for r in SPEED_ROUTINES for t, _ in old["calls"].get(r, []))
+        t_new = sum(t for r in SPEED_ROUTINES for t, _ in new["calls"].get(r, []))
+        ratios.append(t_old / t_new)
+    return statistics.median(ratios)
+
+
 def derive_plumbing(stored: list[dict], today: list[dict]) -> dict[str, int]:
     """``hook_plumbing_ns`` per release, for releases whose stored figures were timed on
     another machine than the plumbing (``ds_host_plumbing``, which the stored runs did
     not measure). ``today``: runs with the plumbing, each release at the stored runs'
     worlds (``min_over_runs`` merges or not); ``stored``: the stored runs. A release's
-    plumbing is its runs' median per hook call times that release's machine ratio:
-    its timed routines' per-call minima summed in the stored runs over the same sum in
-    today's (the same calls with the same counts), the median over the worlds."""
+    plumbing is its runs' median per hook call times that release's machine ratio
+    (``machine_ratio``)."""
     out = {}
     for version in sorted({d["deepspeed"] for d in stored}):
         now = [d for d in today if d["deepspeed"] == version and "plumbing" in d]
         then = [d for d in stored if d["deepspeed"] == version]
         assert now, f"no run of {version} with the hook plumbing"
-        ratios = []
-        for old in then:
-            same = [d for d in now if d["world"] == old["world"]]
-            assert same, f"{version}: no run at {old['world']} ranks"
-            new = min_over_runs(same) if len(same) > 1 else same[0]
-            t_old = sum(t for r in SPEED_ROUTINES for t, _ in old["calls"].get(r, []))
-            t_new = sum(t for r in SPEED_ROUTINES for t, _ in new["calls"].get(r, []))
-            ratios.append(t_old / t_new)
         per_call = statistics.median(d["plumbing"]["per_hook_call_ns"] for d in now)
-        out[version] = int(round(per_call * CPU_SCALE * statistics.median(ratios), -2))
+        out[version] = int(round(per_call * CPU_SCALE * machine_ratio(then, now), -2))
     return out

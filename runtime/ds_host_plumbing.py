@@ -23,6 +23,7 @@ same shapes in both (a gathered parameter is full-sized), so their ops cancel.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any, Callable
 
 from runtime.ds_host_timing import Recorder, clock
@@ -118,11 +119,15 @@ def wrapper_overhead_ns(model: Any) -> float:
 def plumbing(untimed_ns: list[int], plain_ns: list[int], calls: dict[str, int], overhead_ns: float) -> dict:
     """Per module hook call, from each steady step's window less its routines
     (``untimed_ns``) and each plain step (``plain_ns``); ``calls``: the wrapped calls of
-    one step's window, by routine."""
+    one step's window, by routine. The figure is the minima's difference; the median of
+    each step's own difference (its plain step right after it) is kept beside it, with
+    the steps, so that other estimators can be judged on stored runs."""
     hooks = calls.get("fetch", 0) + calls.get("release", 0)
     wrapped = sum(calls.values())
     assert hooks > 0, "no module hook ran in the window"
     total = min(untimed_ns) - min(plain_ns) - overhead_ns * wrapped
-    return {"per_hook_call_ns": max(0, round(total / hooks)), "untimed_ns": min(untimed_ns),
-            "plain_ns": min(plain_ns), "wrapper_ns": round(overhead_ns), "wrapped_calls": wrapped,
-            "hook_calls": hooks}
+    paired = statistics.median(u - p for u, p in zip(untimed_ns, plain_ns)) - overhead_ns * wrapped
+    return {"per_hook_call_ns": max(0, round(total / hooks)), "paired_per_hook_call_ns": max(0, round(paired / hooks)),
+            "untimed_ns": min(untimed_ns), "plain_ns": min(plain_ns), "wrapper_ns": round(overhead_ns),
+            "wrapped_calls": wrapped, "hook_calls": hooks, "untimed_steps_ns": list(untimed_ns),
+            "plain_steps_ns": list(plain_ns)}

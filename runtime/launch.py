@@ -381,11 +381,11 @@ class Calibrated:
 
 
 def calibrate(out: str, backend: str = "gloo", nproc: int = 2, quick: bool = False, schedules: tuple[str, ...] = (),
-              deepspeed_host_costs: bool = False, log=None) -> Calibrated:
+              deepspeed_host_costs: bool = False, fsdp2_host_costs: bool = False, log=None) -> Calibrated:
     """Measure this machine into the hardware profile ``out``: as one rank of a job
     torchrun / srun started, or as ``nproc`` local ranks; ``schedules``' GEMM shapes are
-    timed too; ``deepspeed_host_costs`` (local ranks only) adds real DeepSpeed's hook
-    costs to the profile."""
+    timed too; ``deepspeed_host_costs`` / ``fsdp2_host_costs`` (local ranks only) add
+    real DeepSpeed's / FSDP2's hook costs to the profile."""
     import json
 
     from runtime.executor import env_rank
@@ -393,17 +393,27 @@ def calibrate(out: str, backend: str = "gloo", nproc: int = 2, quick: bool = Fal
     shapes = gemm_shapes(list(schedules))
     found = env_rank()
     if found is not None:  # one rank of a job someone else launched (torchrun, srun)
-        if deepspeed_host_costs:
-            raise CommsimInputError("--deepspeed-host-costs: run it without torchrun (it launches its own ranks)")
+        for flag, on in (("--deepspeed-host-costs", deepspeed_host_costs), ("--fsdp2-host-costs", fsdp2_host_costs)):
+            if on:
+                raise CommsimInputError(f"{flag}: run it without torchrun (it launches its own processes)")
         calibrate_env(backend, out, quick=quick, shapes=shapes)
         return Calibrated(found.world, True, found.rank == 0)
     calibrate_local(nproc, backend, out, quick=quick, shapes=shapes)
+    measured = []
     if deepspeed_host_costs:
-        from commsim.util.files import atomic_write_text
-        from runtime.calibrate_ds import measure_host_costs, merge_host_costs
+        from runtime.calibrate_ds import measure_host_costs
 
-        costs = measure_host_costs(nproc, out, log=log or (lambda m: None))
+        measured.append(measure_host_costs(nproc, out, log=log or (lambda m: None)))
+    if fsdp2_host_costs:
+        from runtime.fsdp2_host_costs import measure_for_profile
+
+        measured.append(measure_for_profile(log=log or (lambda m: None)))
+    if measured:
+        from commsim.util.files import atomic_write_text
+        from runtime.calibrate_ds import merge_host_costs
+
         profile = json.loads(Path(out).read_text())
-        profile["host_costs"] = merge_host_costs(profile.get("host_costs"), costs)
+        for costs in measured:
+            profile["host_costs"] = merge_host_costs(profile.get("host_costs"), costs)
         atomic_write_text(out, json.dumps(profile, indent=1))
     return Calibrated(nproc, False, True)

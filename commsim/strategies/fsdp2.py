@@ -209,7 +209,7 @@ class FSDP2Lowering(FSDP2Kernels):
 
     # ------------------------------------------------------------ hooks (FSDPState / FSDPParamGroup)
     def _hook(self, what: str) -> None:
-        self.b.host(f"FSDP {what}", O.HostKind.MODULE_HOOK, self.costs.module_hook_ns)
+        self.b.host(f"FSDP {what}", O.HostKind.MODULE_HOOK, self.costs.fsdp2_hook_ns)
 
     def _pre_forward(self, g: _Group) -> None:
         self._hook(f"pre_forward {g.unit.name}")

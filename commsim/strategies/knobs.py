@@ -183,6 +183,11 @@ class HostCosts:
     # (their forward, and the backward that fires the backward hooks), parameter access
     # through ZeROOrderedDict (0.6.0 on); runtime/ds_host_plumbing.py.
     hook_plumbing_ns: int = 56_000
+    # One PyTorch FSDP2 hook call (a unit's pre/post forward or backward, the root's final
+    # callback): its Python, record_function scopes and the views that swap sharded and
+    # unsharded parameters, beyond the copies, allocations and collectives the schedule
+    # prices itself (runtime/fsdp2_host_costs.py; machine and scaling below HOST_COSTS).
+    fsdp2_hook_ns: int = 309_100
     # The per-parameter gradient hook (bucket bookkeeping, the copy call).
     grad_hook_ns: int = 23_300
     # A bucket flush: fixed, per rank (its partition bookkeeping), and per gradient in
@@ -235,6 +240,13 @@ class HostCosts:
 # 0.6.0 / 0.19.8) and scaled by each release's own ratio of the two machines on its
 # timed routines (1.5-1.6x): ``python -m runtime.ds_host_costs --derive-plumbing
 # traces/host-costs traces/host-costs/plumbing/deepspeed-*.json``.
+# FSDP2's hooks (fsdp2_hook_ns, torch 2.13.0; the same in every preset: FSDP2 is not a
+# DeepSpeed release) were timed on the Zen 5 core of the plumbing (2026-12-02, three
+# processes, traces/host-costs/fsdp2/: 211.6 / 220.4 / 231.6 us per hook call there) and
+# scaled like the plumbing, by that machine's ratio to the stored runs' on DeepSpeed
+# 0.19.8's timed routines, from 0.19.8 runs at 8 and 64 ranks in the same minutes
+# (1.40x): ``python -m runtime.fsdp2_host_costs --derive traces/host-costs
+# traces/host-costs/fsdp2/*.json``.
 HOST_COSTS: dict[str, HostCosts] = {
     "0.19.8": HostCosts(),
     "0.6.0": HostCosts(hook_plumbing_ns=29_100, module_hook_ns=35_900, fetch_param_ns=1_800, gather_param_ns=44_100,
