@@ -53,6 +53,22 @@ def test_several_processes_runs_become_each_calls_minimum():
         H.min_over_runs([run, {**other, "calls": {**other["calls"], "grad_hook": [[50, {}], [50, {}]]}}])
 
 
+def test_the_plumbing_over_processes_is_the_fastest_window_less_the_fastest_plain_step():
+    def run(untimed, plain, wrapper, per):
+        return {"deepspeed": "0.19.8", "world": 8, "primitives": {}, "calls": {},
+                "plumbing": {"untimed_ns": untimed, "plain_ns": plain, "wrapper_ns": wrapper, "wrapped_calls": 30,
+                             "hook_calls": 20, "per_hook_call_ns": per}}
+
+    merged = H.min_over_runs([run(9_000_000, 2_000_000, 1000, 1), run(8_000_000, 2_500_000, 3000, 2),
+                              run(8_500_000, 2_200_000, 2000, 3)])
+    # (8.0 ms - 2.0 ms - 30 wrapped calls x 2 us) / 20 hook calls
+    assert merged["plumbing"]["per_hook_call_ns"] == 297_000
+    assert merged["plumbing"]["per_process_ns"] == [1, 2, 3]
+    with pytest.raises(AssertionError):  # other hook counts are not one measurement
+        H.min_over_runs([run(1, 1, 1, 1), {**run(1, 1, 1, 1), "plumbing": {**run(1, 1, 1, 1)["plumbing"],
+                                                                          "hook_calls": 21}}])
+
+
 def test_derive_takes_the_flush_timed_alone_where_it_was(tmp_path):
     """The stored 0.19.8 measurements with a flush sweep added whose times follow known
     costs: derive() fits those (fixed, per rank, per gradient, per gradient and rank),
