@@ -173,11 +173,22 @@ EXECUTOR_WARMUP = 2
 DEEPSPEED_WARMUP = 3
 # FSDP2 initialises lazily in its first forward and AdamW its state in the first step()
 FSDP2_WARMUP = 2
+# the work folder's list of the rows it measured, in the order of its numbered files
+MANIFEST = "rows.json"
 
 
 def median_step_s(trace: Path) -> float:
     """The median measured step of an executor trace, in seconds."""
     return statistics.median(json.loads(trace.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
+
+
+def stored_step_s(row: Row, out: Path) -> float:
+    """The median measured step of a row's run from what the run wrote: the executor's
+    trace, or the framework's timings less its warm-up steps."""
+    if row.runner == "deepspeed" or row.fsdp is not None:
+        warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
+        return statistics.median(json.loads(out.read_text())["step_times_s"][warmup:])
+    return median_step_s(out)
 
 
 def measure_executor(row: Row, sched_path: Path, out: Path, steps: int) -> float:
@@ -203,8 +214,7 @@ def measure_deepspeed(row: Row, cfg_path: Path, timings: Path, steps: int) -> fl
             raise
         print(f"  ({row.name}: a rank aborted in teardown after its timings were written; the run stands)",
               file=sys.stderr)
-    times = json.loads(timings.read_text())["step_times_s"][DEEPSPEED_WARMUP:]
-    return statistics.median(times)
+    return stored_step_s(row, timings)
 
 
 # ds_train's and fsdp_train's phase names (its timer's boundaries: forward, backward, engine.step)
@@ -241,7 +251,7 @@ def measure_fsdp2(row: Row, cfg_path: Path, timings: Path, steps: int) -> float:
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks),
          "-m", "runtime.examples.fsdp_train", *fsdp2_args(row, cfg_path, timings, steps)],
         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return statistics.median(json.loads(timings.read_text())["step_times_s"][FSDP2_WARMUP:])
+    return stored_step_s(row, timings)
 
 
 class LinkedNamespaces:
@@ -329,6 +339,10 @@ def main() -> None:
         rows = [r for r in rows if r.runner not in LINK_RATE]
     steps = 2 if args.quick else 5
     work = Path(tempfile.mkdtemp(prefix="commsim-validate-"))
+    # which row each numbered file belongs to, for bench/repredict_local.py
+    (work / MANIFEST).write_text(json.dumps({"rows": [r.name for r in rows], "repeats": args.repeats,
+                                             "calibrate_once": args.calibrate_once,
+                                             "before_only": args.before_only}, indent=1))
     profiles: dict = {}
     t0 = time.time()
     # Each row's GEMM shapes, so calibration times the very kernels the rows will run
@@ -387,7 +401,7 @@ def main() -> None:
             return measure_deepspeed(row, cfg_path, out, steps)
         if row.fsdp is not None and row.runner in LINK_RATE:
             links[row.runner].run_ranks(fsdp2_args(row, cfg_path, out, steps), module="runtime.examples.fsdp_train")
-            return statistics.median(json.loads(out.read_text())["step_times_s"][FSDP2_WARMUP:])
+            return stored_step_s(row, out)
         if row.fsdp is not None:
             return measure_fsdp2(row, cfg_path, out, steps)
         if row.runner in LINK_RATE:
@@ -458,26 +472,39 @@ def main() -> None:
                 Trace.load(out).save(dest / f"{stem}.json.gz")
                 shutil.copy(profile, dest / f"{stem}.profile.json")
                 save_schedule(schedule, dest / f"{stem}.schedule.json.gz")  # what the trace measured
-        pred, meas = statistics.fmean(preds), statistics.fmean(meass)
-        err = (pred - meas) / meas
-        results.append((row, pred, meas, err))
-        run_errs = [(p - m) / m for p, m in zip(preds, meass)]
+        row_err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, args.repeats)
+        results.append((row, statistics.fmean(preds), statistics.fmean(meass), row_err))
         single_errs += run_errs
-        each = ", ".join(f"{e:+.1%}" for e in run_errs)
-        print(f"{row.name:<34}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}"
-              + (f"   ({each})" if args.repeats > 1 else ""), flush=True)
-        # each phase's mean prediction against its mean measurement, as for the step
-        ph_err = {p: (statistics.fmean(a for a, _ in v) - statistics.fmean(b for _, b in v))
-                  / statistics.fmean(b for _, b in v) for p, v in phase_runs.items() if statistics.fmean(b for _, b in v)}
         phase_errs += list(ph_err.values())
         phase_rows += 1 if ph_err else 0
-        ops = [o for o in op_pcts if o]
-        print("    phases: " + ", ".join(f"{p} {e:+.1%}" for p, e in ph_err.items())
-              + (f"; per op: median {statistics.fmean(o['p50'] for o in ops):+.0%}, "
-                 f"p90 {statistics.fmean(o['p90'] for o in ops):+.0%}" if ops else ""), flush=True)
-    signed = [e for *_, e in results]
     print(f"(took {time.time() - t0:.0f} s; work files in {work})")
-    if args.repeats > 1:
+    report_totals([e for *_, e in results], single_errs, phase_errs, phase_rows, args.repeats)
+
+
+def report_row(row: Row, preds: list[float], meass: list[float], phase_runs: dict[str, list[tuple[float, float]]],
+               op_pcts: list[dict[str, float]], repeats: int) -> tuple[float, list[float], dict[str, float]]:
+    """Print a row's line and its phases line; return its error (mean prediction against
+    mean measurement), each run's own error and each phase's error."""
+    pred, meas = statistics.fmean(preds), statistics.fmean(meass)
+    err = (pred - meas) / meas
+    run_errs = [(p - m) / m for p, m in zip(preds, meass)]
+    each = ", ".join(f"{e:+.1%}" for e in run_errs)
+    print(f"{row.name:<34}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}"
+          + (f"   ({each})" if repeats > 1 else ""), flush=True)
+    # each phase's mean prediction against its mean measurement, as for the step
+    ph_err = {p: (statistics.fmean(a for a, _ in v) - statistics.fmean(b for _, b in v))
+              / statistics.fmean(b for _, b in v) for p, v in phase_runs.items() if statistics.fmean(b for _, b in v)}
+    ops = [o for o in op_pcts if o]
+    print("    phases: " + ", ".join(f"{p} {e:+.1%}" for p, e in ph_err.items())
+          + (f"; per op: median {statistics.fmean(o['p50'] for o in ops):+.0%}, "
+             f"p90 {statistics.fmean(o['p90'] for o in ops):+.0%}" if ops else ""), flush=True)
+    return err, run_errs, ph_err
+
+
+def report_totals(signed: list[float], single_errs: list[float], phase_errs: list[float], phase_rows: int,
+                  repeats: int) -> None:
+    """The closing lines: each run on its own (with repeats), the rows, the phases."""
+    if repeats > 1:
         print("each run on its own: " + error_summary(single_errs) + f"  runs = {len(single_errs)}")
     print(error_summary(signed) + f"  rows = {len(signed)}")
     if phase_errs:
