@@ -114,6 +114,8 @@ def _profile_sources(prof: Any, path: str, sc: Scenario, schedule: Schedule, clu
         fields.append(f"CPU cores ({prof.cpu_cores})" + (", OS time slice" if prof.time_slice_ns else ""))
     if prof.rank_noise_sd:
         fields.append("rank speed drift")
+    if prof.platform.stalls:
+        fields.append("rank stalls")
     doc = read_json(path, CommsimInputError)
     if isinstance(doc, dict) and "host_costs" in doc and sc.host_costs is None:
         fields.append("framework host costs")

@@ -279,7 +279,7 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         shapes = self.gemm_shapes()
         cores = cpu_cores()
         slice_ns = time_slice(self, cores)
-        noise = rank_noise(self, cores)
+        noise, stalls = rank_noise(self, cores)
         allocator = self.allocator_stats()
         # last: its operand rings (hundreds of MB, allocated and freed per kernel class)
         # would change the heap that the allocation benchmarks above see
@@ -291,6 +291,7 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
             comm_latency_slowdown_during_compute=slow_lat, issue_ns=issue_ns, per_op_ns=per_op_ns,
             alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
             first_touch_s_per_byte=first_touch, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise,
+            rank_stalls=stalls,
             devices=devices, nodes=self.nodes, kernel_overhead_ns=kernel_ns, copies=copies,
             allocator=allocator, cache=in_cache, host_costs=launches, framework_kernels=classes)
         return profile_document(measured, self.platform, self.device, self.world, self.ranks_per_node)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from commsim.hardware.noise import fit_rank_noise
+from commsim.hardware.noise import STALL_SLICES, fit_rank_noise, fit_rank_stalls, pool_rank_stalls
 from commsim.ir import ops as O
 from runtime.kernels import last_level_cache_bytes
 
@@ -35,15 +35,17 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def rank_noise(cal: Calibrator, cores: int) -> dict[str, float] | None:
-    """How each rank's speed drifts on its own (CPU backends, at most one rank per
-    core): every rank runs the same GEMM back to back for a few seconds; the mean log
-    time over the median, in 10 ms bins, is gathered and fitted as an OU process
-    (commsim.hardware.noise). None on GPUs (kernel times vary by ~1%, the simulator's
-    default jitter), with more ranks than cores (the simulated time slicing is
-    that noise) and with one rank (nothing to drift apart from)."""
+def rank_noise(cal: Calibrator, cores: int) -> tuple[dict[str, float] | None, dict[str, object] | None]:
+    """How each rank's speed drifts on its own, and how it stalls (CPU backends, at most
+    one rank per core): every rank runs the same GEMM back to back for a few seconds;
+    the mean log time over the median, in 10 ms bins, is gathered and fitted as an OU
+    process, and each call over the median is a stall of the difference
+    (commsim.hardware.noise). (profile's ``rank_noise``, ``rank_stalls``); (None, None)
+    on GPUs (kernel times vary by ~1%, the simulator's default jitter), with more ranks
+    than cores (the simulated time slicing is that noise) and with one rank (nothing
+    to drift apart from, nobody to wait)."""
     if not cal.platform.inline_kernels or cal.ranks_per_node > cores or cal.world < 2:
-        return None
+        return None, None
     bin_ns = 10_000_000
     span_ns = 2_000_000_000 if cal.quick else 4_000_000_000
     op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * 256 ** 3, 0, 0, O.GemmShape(256, 256, 256, 1))
@@ -76,7 +78,15 @@ def rank_noise(cal: Calibrator, cores: int) -> dict[str, float] | None:
     sd, corr_ns = fit_rank_noise([e.tolist() for e in every], bin_ns)
     cal.log(f"ranks' speed drift: sd {sd:.1%}, correlation {corr_ns / 1e6:.0f} ms "
             f"({len(times)} GEMMs of {med / 1e6:.2f} ms on rank 0)")
-    return {"sd": sd, "corr_ns": corr_ns}
+    rate, lengths = fit_rank_stalls(times)
+    mine = torch.tensor([rate] + (lengths or [0.0] * STALL_SLICES), dtype=torch.float64, device=cal.device)
+    every = [torch.empty_like(mine) for _ in range(cal.world)]
+    dist.all_gather(every, mine)
+    rate, lengths = pool_rank_stalls([(e[0].item(), e[1:].tolist() if e[0].item() else []) for e in every])
+    loss = rate * sum(lengths) / len(lengths) / 1e9 if lengths else 0.0
+    cal.log(f"ranks' stalls: {rate:.0f} a second of work, mean {loss / rate * 1e9 / 1e3 if rate else 0:.0f} us, "
+            f"longest slice {max(lengths, default=0) / 1e6:.2f} ms; {loss:.1%} of the time")
+    return {"sd": sd, "corr_ns": corr_ns}, {"rate_per_s": rate, "lengths_ns": [round(x) for x in lengths]}
 
 
 def time_slice(cal: Calibrator, cores: int) -> int | None:

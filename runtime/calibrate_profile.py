@@ -45,6 +45,7 @@ class Measured:
     cpu_cores: int
     time_slice_ns: int | None
     rank_noise: dict[str, float] | None
+    rank_stalls: dict[str, object] | None = None  # RankStalls' fields (CPU backends)
     devices: list[str] = dataclasses.field(default_factory=list)  # every rank's device name, each once
     nodes: int = 1
     kernel_overhead_ns: int | None = None  # GPUs: a kernel's fixed device cost (CPUs: the executor's per op)
@@ -104,6 +105,7 @@ def profile_document(m: Measured, platform: Platform, device: torch.device, worl
         **({"cpu_cores": m.cpu_cores} if platform.inline_kernels else {}),
         **({"time_slice_ns": m.time_slice_ns} if m.time_slice_ns else {}),
         **({"rank_noise": m.rank_noise} if m.rank_noise is not None else {}),
+        **({"rank_stalls": m.rank_stalls} if m.rank_stalls is not None else {}),
         **({"allocator": m.allocator} if m.allocator is not None else {}),
         **({"cache": m.cache} if m.cache is not None else {}),
         **({"host_costs": m.host_costs} if m.host_costs is not None else {}),

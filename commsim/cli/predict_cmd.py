@@ -29,7 +29,8 @@ def report_lines(pred, seed: int) -> list[str]:
         lo, hi = min(m.step_time_samples_s), max(m.step_time_samples_s)
         out.append(f"mode: {mode}; seeds {seed}-{seed + n - 1}, the median one shown (seed {m.seed})")
         out.append(f"rank speed drift: sd {m.rank_noise[0]:.1%}, correlation {m.rank_noise[1] * 1e3:.0f} ms (profile); "
-                   f"the {n} steps took {lo:.3f}-{hi:.3f} s")
+                   + (f"rank stalls: {m.rank_stalls[0]:.0f} a second of work, {m.rank_stalls[1]:.1%} of it (profile); "
+                      if m.rank_stalls[0] else "") + f"the {n} steps took {lo:.3f}-{hi:.3f} s")
     else:
         out.append(f"mode: {mode}; seed {m.seed}")
     if m.oom:

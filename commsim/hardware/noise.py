@@ -1,4 +1,5 @@
-"""Fitting the ranks' speed drift from a measurement (pure; calibrate supplies the data).
+"""Fitting the ranks' speed drift and stalls from a measurement (pure; calibrate
+supplies the data).
 
 Each rank ran the same kernel back to back; ``series[r][t]`` is the mean log of its
 kernel times over their median, in time bin ``t``. The common part of all ranks (the
@@ -14,7 +15,11 @@ log C(k), k = 1 .. the last lag before the covariance first drops to zero (at mo
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Sequence
+
+# the equally likely stall lengths a profile keeps (RankStalls.lengths_ns)
+STALL_SLICES = 32
 
 
 def fit_rank_noise(series: Sequence[Sequence[float]], bin_ns: int, max_lag: int = 30) -> tuple[float, int]:
@@ -47,3 +52,37 @@ def fit_rank_noise(series: Sequence[Sequence[float]], bin_ns: int, max_lag: int 
     sd = math.sqrt(math.exp(intercept) * n / (n - 1))
     length_ns = m * bin_ns
     return sd, min(int(-bin_ns / slope), length_ns) if slope < 0 else length_ns
+
+
+def fit_rank_stalls(times_ns: Sequence[float]) -> tuple[float, list[float]]:
+    """One rank's stalls, from its times of one kernel run back to back: each time over
+    the median is that kernel's undisturbed time (the median) plus a stall of the
+    difference, which the drift's fit leaves out (it keeps only what is correlated over
+    bins of many kernels). Returns (stalls per second of undisturbed work, the means of
+    STALL_SLICES equal slices of the sorted stall lengths, ns: equally likely values
+    that keep the stalls' mean); (0, []) without stalls."""
+    assert times_ns, "needs the kernel's times"
+    med = statistics.median(times_ns)
+    excess = sorted(t - med for t in times_ns if t > med)
+    work_ns = sum(times_ns) - sum(excess)
+    if not excess or work_ns <= 0:
+        return 0.0, []
+    n = len(excess)
+    lengths = []
+    for k in range(STALL_SLICES):
+        chunk = excess[k * n // STALL_SLICES:(k + 1) * n // STALL_SLICES]
+        # fewer stalls than slices: the stall at the slice's middle
+        lengths.append(sum(chunk) / len(chunk) if chunk else excess[min(n - 1, (2 * k + 1) * n // (2 * STALL_SLICES))])
+    return n / work_ns * 1e9, lengths
+
+
+def pool_rank_stalls(per_rank: Sequence[tuple[float, Sequence[float]]]) -> tuple[float, list[float]]:
+    """Every rank's (rate, lengths) as one process: the mean rate over the ranks, each
+    slice's mean length over the ranks that stalled; (0, []) when none did."""
+    assert per_rank, "needs at least one rank"
+    stalled = [lengths for _, lengths in per_rank if lengths]
+    if not stalled:
+        return 0.0, []
+    assert all(len(x) == STALL_SLICES for x in stalled), "every rank's lengths have STALL_SLICES values"
+    rate = sum(r for r, _ in per_rank) / len(per_rank)
+    return rate, [sum(x[k] for x in stalled) / len(stalled) for k in range(STALL_SLICES)]

@@ -13,7 +13,10 @@ A GPU and a CPU run the same schedule differently, and the difference is one ide
 * **cores**: on a CPU node with more ranks than cores, the OS time-slices every rank's
   host thread and the backend's threads (``CpuCores``);
 * **rank drift**: a CPU rank's speed drifts apart from the others' (other threads, the
-  OS and, on a VM, other tenants share its core), measured by ``commsim calibrate``.
+  OS and, on a VM, other tenants share its core), measured by ``commsim calibrate``;
+* **rank stalls**: and, on a short time scale, each rank loses time in stalls of its
+  own (a kernel interrupted by the OS, another thread or the hypervisor), which every
+  later synchronisation makes the other ranks wait out (``RankStalls``).
 
 A preset (``SpecCostModel``) or a measured profile (``HardwareProfile``) yields one; the
 simulator (``commsim.sim``) and the executor (``runtime``) pick their rank behaviour
@@ -92,6 +95,39 @@ NO_DRIFT = RankDrift()
 
 
 @dataclass(frozen=True, slots=True)
+class RankStalls:
+    """Each rank's stalls, independent of the other ranks': they arrive at
+    ``rate_per_s`` per second of the rank's undisturbed work (Poisson), each as long as
+    a draw from ``lengths_ns`` (equally likely values: quantiles of the measured stall
+    lengths). A kernel's measured mean time already holds its share of them, so the
+    simulator runs ``mean / (1 + loss)`` of undisturbed work plus the stalls drawn for
+    it: the mean stays, and each synchronisation pays for whichever rank stalled.
+    Measured by calibrate on CPU backends (``runtime.calibrate_cpu.rank_noise``)."""
+
+    rate_per_s: float = 0.0
+    lengths_ns: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.rate_per_s < 0 or (self.rate_per_s and not self.lengths_ns) \
+                or any(x < 0 for x in self.lengths_ns):
+            raise CommsimInputError(f"rank stalls rate {self.rate_per_s}/s, lengths {list(self.lengths_ns)} ns: "
+                                    "the rate must be >= 0 and, when it is not 0, the lengths non-empty and >= 0")
+
+    @property
+    def loss(self) -> float:
+        """Stall time per unit of undisturbed work: rate x mean length."""
+        if not self.rate_per_s:
+            return 0.0
+        return self.rate_per_s * sum(self.lengths_ns) / len(self.lengths_ns) / 1e9
+
+    def __bool__(self) -> bool:
+        return self.rate_per_s > 0 and any(self.lengths_ns)
+
+
+NO_STALLS = RankStalls()
+
+
+@dataclass(frozen=True, slots=True)
 class Platform:
     """How one machine kind executes a schedule (see the module docstring)."""
 
@@ -103,6 +139,7 @@ class Platform:
     malloc_syncs_device: bool
     cpu: CpuCores | None = None  # CPU backends whose cores were measured
     drift: RankDrift = NO_DRIFT
+    stalls: RankStalls = NO_STALLS
     # the relative standard deviation of one host op's time (the framework's Python, the
     # OS, the allocator), independent per op and rank: each synchronisation then waits
     # for whichever rank's host is latest (0: not measured, hosts run like clockwork)
@@ -144,10 +181,10 @@ BACKENDS = {"nccl": GPU, "gloo": CPU}
 
 
 def platform_of_backend(backend: str, cpu: CpuCores | None = None, drift: RankDrift = NO_DRIFT,
-                        caching_allocator: bool | None = None) -> Platform:
+                        caching_allocator: bool | None = None, stalls: RankStalls = NO_STALLS) -> Platform:
     """The platform a torch.distributed backend runs on: NCCL on GPUs, anything else
-    (gloo, mpi) on CPUs. ``cpu`` and ``drift`` apply to CPU backends (measured);
-    ``caching_allocator`` overrides the memory model where a profile says so."""
+    (gloo, mpi) on CPUs. ``cpu``, ``drift`` and ``stalls`` apply to CPU backends
+    (measured); ``caching_allocator`` overrides the memory model where a profile says so."""
     base = GPU if backend == "nccl" else CPU
     memory = base.memory
     if caching_allocator is not None:
@@ -155,4 +192,4 @@ def platform_of_backend(backend: str, cpu: CpuCores | None = None, drift: RankDr
     if base is GPU:
         return Platform(backend, base.kernels, memory, base.collective_order, base.malloc_syncs_device, None, drift)
     return Platform(backend or "gloo", base.kernels, memory, base.collective_order, base.malloc_syncs_device, cpu,
-                    drift)
+                    drift, stalls)

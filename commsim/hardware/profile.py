@@ -24,7 +24,9 @@ Ornstein-Uhlenbeck process of log speed (standard deviation ``sd``, correlation 
 ``corr_ns``). Ranks of a CPU node share cores with each other's backend threads, the
 OS and, on a VM, other tenants, so each synchronisation waits for whichever rank is
 behind. With it the simulator runs every
-rank (per-rank mode). calibrate measures it on CPU backends.
+rank (per-rank mode). calibrate measures it on CPU backends. ``rank_stalls``: the short
+stalls each rank has on its own (``RankStalls``), which the drift's fit leaves out (it
+keeps only what is correlated over 10 ms bins); also per-rank mode.
 
 A collective of ``size_bytes`` over a group of ``p`` ranks takes ``latency_ns +
 size_bytes / bytes_per_s`` alone (nccl-tests' algorithm bandwidth), from the fit of its
@@ -43,7 +45,8 @@ from typing import TYPE_CHECKING
 
 from commsim.hardware.links import CollectivePlan, Link, LinkKind
 from commsim.hardware.sharing import IDLE, Taken
-from commsim.hardware.platform import DEFAULT_TIME_SLICE_NS, CpuCores, Platform, RankDrift, platform_of_backend
+from commsim.hardware.platform import (DEFAULT_TIME_SLICE_NS, CpuCores, Platform, RankDrift, RankStalls,
+                                       platform_of_backend)
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 
@@ -147,6 +150,9 @@ class HardwareProfile:
     # each rank's speed drift: sd of its log speed and its correlation time (0: none)
     rank_noise_sd: float = 0.0
     rank_noise_corr_ns: int = 0
+    # each rank's short stalls: per second of undisturbed work, and their lengths (RankStalls)
+    rank_stalls_rate_per_s: float = 0.0
+    rank_stalls_lengths_ns: tuple[int, ...] = ()
     # what was measured: every rank's device, the job's shape
     devices: tuple[str, ...] = ()
     world_size: int = 0
@@ -241,7 +247,8 @@ class HardwareProfile:
         if self.cpu_cores:
             cpu = CpuCores(self.cpu_cores, self.ranks_per_node, self.time_slice_ns or DEFAULT_TIME_SLICE_NS)
         return platform_of_backend(self.backend, cpu, RankDrift(self.rank_noise_sd, self.rank_noise_corr_ns),
-                                   self.caching_allocator)
+                                   self.caching_allocator,
+                                   RankStalls(self.rank_stalls_rate_per_s, self.rank_stalls_lengths_ns))
 
     @property
     def describe(self) -> str:

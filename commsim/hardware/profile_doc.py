@@ -22,6 +22,7 @@ Format (JSON), schema version 2::
      "cache": {"bytes": 33554432, "bytes_per_s": 6e10},  # CPU backends (optional): see below
      "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
      "rank_noise": {"sd": 0.1, "corr_ns": 300000000},  # ranks' speed drift (optional): see below
+     "rank_stalls": {"rate_per_s": 400, "lengths_ns": [20000, ...]},  # ranks' stalls (optional): see below
      "framework_kernels": {"fp32": {"norm": {"fwd": [[bytes, seconds], ...], "bwd": [...]}, ...},
                            "bf16": {...}, "source": "..."},  # CPU backends (optional): see below
      "allocator": {"num_alloc_retries": 0, ...},  # GPUs (optional): torch.cuda.memory_stats after calibrating
@@ -59,6 +60,10 @@ Collectives (``collectives.<kind>.<placement>.<group size>``): ``points`` are
 now and then waits about a scheduler tick for its completion: the simulator adds the
 difference between the two tables to a collective whose rank computes next, not to
 one followed by another collective.
+
+``rank_stalls``: each rank's short stalls (CPU backends): how many arrive per second of
+the rank's undisturbed work and how long they last (equally likely lengths, the
+quantiles of the measured ones); see ``commsim.hardware.platform.RankStalls``.
 
 ``framework_kernels``: a framework's own memory-bound ATen kernels (element-wise add,
 row reduction, LayerNorm, softmax, dropout, embedding; forward and backward) timed in
@@ -171,6 +176,7 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         first_touch_ns_per_byte=_num(alloc, "first_touch_ns_per_byte", f"{where}: alloc", positive=False)
         if "first_touch_ns_per_byte" in alloc else 0.0,
         **_rank_noise(obj.get("rank_noise"), f"{where}: rank_noise"),
+        **_rank_stalls(obj.get("rank_stalls"), f"{where}: rank_stalls"),
         **_cache(obj.get("cache"), f"{where}: cache"),
         framework_kernels=framework_kernels_from_dict(obj.get("framework_kernels"), where),
         precision=key or str(obj.get("default_dtype", "fp32")),
@@ -230,6 +236,21 @@ def _rank_noise(noise: Any, where: str) -> dict[str, Any]:
     sd = _num(noise, "sd", where, positive=False)
     corr = _num(noise, "corr_ns", where, positive=bool(sd))
     return {"rank_noise_sd": sd, "rank_noise_corr_ns": int(corr)}
+
+
+def _rank_stalls(stalls: Any, where: str) -> dict[str, Any]:
+    if stalls is None:
+        return {}
+    lengths = stalls.get("lengths_ns") if isinstance(stalls, dict) else None
+    if not isinstance(lengths, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+                                                for x in lengths):
+        raise CommsimInputError(f"{where}: must be an object {{\"rate_per_s\": >= 0, \"lengths_ns\": a list of "
+                                "numbers >= 0 (non-empty when the rate is not 0)}")
+    rate = _num(stalls, "rate_per_s", where, positive=False)
+    if rate and not lengths:
+        raise CommsimInputError(f"{where}: lengths_ns is empty while rate_per_s is {rate}; "
+                                "a rate needs the stalls' lengths")
+    return {"rank_stalls_rate_per_s": rate, "rank_stalls_lengths_ns": tuple(int(x) for x in lengths)}
 
 
 def _cache(cache: Any, where: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import simpy
 
 from commsim.hardware.costs import CostModel
 from commsim.hardware.links import Link, LinkKind
+from commsim.hardware.platform import NO_STALLS
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.schedule import Schedule
@@ -68,10 +69,13 @@ class Simulator:
         # same program over their own groups, as the generator declares.
         symmetric_ok = len(schedule.programs) == 1 or schedule.meta.rank_symmetric
         noise_sd, noise_corr_ns = rank_noise(cost, config)
+        stalls = platform.stalls if config.rank_stalls else NO_STALLS
         if mode == "auto":
             # more ranks than cores: their time slices matter, so every rank is simulated;
-            # so do ranks whose speed drifts apart (measured): each sync waits for the slower
-            mode = "symmetric" if symmetric_ok and not platform.time_sliced and not noise_sd else "per-rank"
+            # so do ranks whose speed drifts apart or who stall on their own (measured):
+            # each sync waits for the slower
+            mode = ("symmetric" if symmetric_ok and not platform.time_sliced and not noise_sd and not stalls
+                    else "per-rank")
         if mode == "symmetric" and not symmetric_ok:
             raise ValueError("symmetric mode needs every rank to run the same program (up to its groups)")
         if mode not in ("symmetric", "per-rank"):
@@ -79,6 +83,7 @@ class Simulator:
         self.mode = mode
         self.jitter = config.jitter if config.jitter is not None else (0.01 if mode == "per-rank" else 0.0)
         self.rank_noise = (noise_sd, noise_corr_ns) if mode == "per-rank" and noise_sd else (0.0, 0)
+        self.rank_stalls = stalls if mode == "per-rank" else NO_STALLS
         self.host_jitter = config.host_jitter if config.host_jitter is not None else platform.host_jitter
         if self.host_jitter < 0:
             raise ValueError(f"host jitter {self.host_jitter}: must be >= 0")
@@ -316,7 +321,8 @@ class Simulator:
         step = max((s.result.end_ns for s in sims.values()), default=0)
         return SimResult(self.mode, {r: s.result for r, s in sims.items()}, step, oom=self.oom,
                          seed=self.config.seed, jitter=self.jitter, cpu_sharing=self.cpu_sharing,
-                         rank_noise=self.rank_noise)
+                         rank_noise=self.rank_noise,
+                         rank_stalls=(self.rank_stalls.rate_per_s, self.rank_stalls.loss))
 
 
     def _check_finished(self, sims: dict[int, RankSim]) -> None:
@@ -358,12 +364,12 @@ NOISE_SAMPLES = 9
 
 
 def simulate(sim: Simulator) -> SimResult:
-    """Run a simulator's step. When ranks' speeds drift (rank noise), one step is one
-    draw of a random process: NOISE_SAMPLES seeded steps are simulated (seeds seed,
+    """Run a simulator's step. When ranks' speeds drift (rank noise) or they stall (rank
+    stalls), one step is one draw of a random process: NOISE_SAMPLES seeded steps are simulated (seeds seed,
     seed+1, ..., all starting from the first one's warm-up, which has no noise) and the
     median one is returned, with every step time in ``step_samples_ns``."""
     first = sim.run()
-    if not sim.rank_noise[0] or first.oom:
+    if not (sim.rank_noise[0] or sim.rank_stalls) or first.oom:
         return first
     results = [first] + [Simulator(sim.schedule, sim.cost, replace(sim.config, seed=sim.config.seed + i))
                          .run(warm_from=sim.warm) for i in range(1, NOISE_SAMPLES)]

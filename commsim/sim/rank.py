@@ -72,6 +72,9 @@ class RankSim(RankMemory):
         self.noise_sd, self.noise_corr_ns = sim.rank_noise
         self.noise_x = self.rng.gauss(0.0, self.noise_sd) if self.noise_sd else 0.0
         self.noise_t = 0
+        self.stalls = sim.rank_stalls
+        # its own stream of draws, so a profile without stalls simulates as before
+        self.stall_rng = random.Random(sim.config.seed * 104_729 + rank + 2)
         self.finished_issuing = False
         # host time owed to collective calls that hold the calling thread (CPU backends):
         # paid before the host's next op, or absorbed by a wait it was blocked in anyway
@@ -244,11 +247,11 @@ class RankSim(RankMemory):
         kept for the lateness of the next collective (symmetric mode)."""
         sd = self.host_sd
         if not sd:
-            return duration_ns
+            return self._stalled(duration_ns)
         if self.lateness is not None:
             self.lateness.add(duration_ns)
             return duration_ns
-        return max(0, int(duration_ns * exp(self.host_rng.gauss(0.0, sd) - sd * sd / 2)))
+        return self._stalled(max(0, int(duration_ns * exp(self.host_rng.gauss(0.0, sd) - sd * sd / 2))))
 
     def _spend(self, ns: int):
         """The host thread's own time: on a scheduled CPU it needs a core for it."""
@@ -279,13 +282,31 @@ class RankSim(RankMemory):
         """A duration scaled by the rank's speed now: the OU process advanced from its
         last sample, exp(x - sd^2/2) so that its mean factor is 1."""
         if not self.noise_sd:
-            return dur
+            return self._stalled(dur)
         dt = self.env.now - self.noise_t
         self.noise_t = self.env.now
         if dt:
             rho = exp(-dt / self.noise_corr_ns)
             self.noise_x = self.noise_x * rho + self.noise_sd * sqrt(1.0 - rho * rho) * self.rng.gauss(0.0, 1.0)
-        return max(1, int(dur * exp(self.noise_x - self.noise_sd ** 2 / 2)))
+        return self._stalled(max(1, int(dur * exp(self.noise_x - self.noise_sd ** 2 / 2))))
+
+    def _stalled(self, dur: int) -> int:
+        """``dur``, a measured mean that holds its share of the rank's stalls, as
+        undisturbed work (``dur / (1 + loss)``) plus the stalls that arrive during it:
+        Poisson arrivals, lengths drawn from the measured ones (RankStalls). The mean
+        stays ``dur``; a sync after it waits for whichever rank stalled."""
+        st = self.stalls
+        if not st or dur <= 0:
+            return dur
+        work = dur / (1.0 + st.loss)
+        rate_per_ns = st.rate_per_s / 1e9
+        rng = self.stall_rng
+        t = rng.expovariate(rate_per_ns)
+        extra = 0
+        while t < work:
+            extra += rng.choice(st.lengths_ns)
+            t += rng.expovariate(rate_per_ns)
+        return max(1, int(work) + extra)
 
     def _compute_ns(self, op: O.Compute, comm_slowed: bool) -> int:
         """A kernel's time: its cost beside this rank's in-flight collectives (when the

@@ -28,6 +28,9 @@ class SimConfig:
     # (``commsim calibrate`` on CPU backends), else none.
     rank_noise_sd: float | None = None
     rank_noise_corr_ns: int | None = None
+    # Each rank's short stalls of its own, as the platform measured them (RankStalls),
+    # drawn per kernel and host op in per-rank mode; False: none.
+    rank_stalls: bool = True
     # Relative sd of each host op's time, per rank (None: the platform's). Per-rank mode
     # draws it; symmetric mode adds the expected lateness of a collective's slowest member
     # (order statistics, see rank.py).
@@ -105,6 +108,7 @@ class SimResult:
     jitter: float = 0.0
     cpu_sharing: str = ""  # with more ranks than cores: how the simulated scheduler shared them
     rank_noise: tuple[float, int] = (0.0, 0)  # (sd, correlation ns) of the ranks' speed drift
+    rank_stalls: tuple[float, float] = (0.0, 0.0)  # the ranks' stalls: (a second of work, loss)
     step_samples_ns: tuple[int, ...] = ()  # with rank noise: every seeded step's time (median chosen)
 
 

@@ -275,6 +275,27 @@ def test_profile_rank_drift(tmp_path):
         load_profile(path)
 
 
+def test_profile_rank_stalls(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(PROFILE))
+    assert not load_profile(path).platform.stalls  # not measured: none
+    path.write_text(json.dumps({**PROFILE, "rank_stalls": {"rate_per_s": 40.0, "lengths_ns": [1000, 3000.4]}}))
+    p = load_profile(path)
+    assert (p.rank_stalls_rate_per_s, p.rank_stalls_lengths_ns) == (40.0, (1000, 3000))
+    assert p.platform.stalls.loss == pytest.approx(40 * 2000e-9)
+    path.write_text(json.dumps({**PROFILE, "rank_stalls": {"rate_per_s": 0, "lengths_ns": []}}))  # measured: none
+    assert not load_profile(path).platform.stalls
+    path.write_text(json.dumps({**PROFILE, "rank_stalls": {"rate_per_s": 5, "lengths_ns": []}}))
+    with pytest.raises(CommsimInputError, match=r"p.json: rank_stalls: lengths_ns is empty while rate_per_s is 5"):
+        load_profile(path)
+    path.write_text(json.dumps({**PROFILE, "rank_stalls": {"rate_per_s": 5, "lengths_ns": [-1]}}))
+    with pytest.raises(CommsimInputError, match=r"p.json: rank_stalls: must be an object"):
+        load_profile(path)
+    path.write_text(json.dumps({**PROFILE, "rank_stalls": {"rate_per_s": -5, "lengths_ns": [1]}}))
+    with pytest.raises(CommsimInputError, match=r"p.json: rank_stalls: field 'rate_per_s'"):
+        load_profile(path)
+
+
 def load_profile_from(tmp_path, points):
     path = tmp_path / "one.json"
     path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": points}}))

@@ -1,9 +1,12 @@
-"""Fitting the ranks' speed drift: an OU process's sd and correlation time come back."""
+"""Fitting the ranks' speed drift (an OU process's sd and correlation time come back)
+and their stalls (each call over the median is a stall of the difference)."""
 
 import math
 import random
 
-from commsim.hardware.noise import fit_rank_noise
+import pytest
+
+from commsim.hardware.noise import STALL_SLICES, fit_rank_noise, fit_rank_stalls, pool_rank_stalls
 
 BIN_NS = 10_000_000
 
@@ -40,3 +43,24 @@ def test_no_drift_of_one_rank_against_another():
 
 def test_too_short_a_series_finds_nothing():
     assert fit_rank_noise([[0.1, -0.1, 0.2], [-0.1, 0.1, -0.2]], BIN_NS) == (0.0, 0)
+
+
+def test_stalls_are_the_calls_over_the_median():
+    # 129 calls of 1000 ns (the median), 64 of them stalled: 32 by 10 ns, 32 by 1000 ns
+    times = [1000] * 65 + [1010] * 32 + [2000] * 32
+    rate, lengths = fit_rank_stalls(times)
+    assert rate == pytest.approx(64 / (129 * 1000) * 1e9)  # per second of undisturbed work
+    assert lengths == [10.0] * 16 + [1000.0] * 16 and len(lengths) == STALL_SLICES
+    # the lengths keep the stalls' mean: loss = rate x mean length = stall time / work
+    assert rate * sum(lengths) / len(lengths) / 1e9 == pytest.approx((32 * 10 + 32 * 1000) / 129_000)
+    assert fit_rank_stalls([500] * 9) == (0.0, [])
+    rate, lengths = fit_rank_stalls([100, 100, 100, 400])  # fewer stalls than slices: the one there is
+    assert rate == pytest.approx(1 / 400 * 1e9) and lengths == [300] * STALL_SLICES
+
+
+def test_ranks_stalls_pooled():
+    a = (100.0, [1.0] * STALL_SLICES)
+    b = (300.0, [3.0] * STALL_SLICES)
+    assert pool_rank_stalls([a, b]) == (200.0, [2.0] * STALL_SLICES)
+    assert pool_rank_stalls([a, (0.0, [])]) == (50.0, [1.0] * STALL_SLICES)  # the rate over every rank
+    assert pool_rank_stalls([(0.0, []), (0.0, [])]) == (0.0, [])

@@ -78,6 +78,15 @@ def test_quick_calibration_then_predict(tmp_path):
     assert ("rank_noise" in obj) == (obj["cpu_cores"] >= 2)
     if "rank_noise" in obj:
         assert (p.rank_noise_sd, p.rank_noise_corr_ns) == (obj["rank_noise"]["sd"], obj["rank_noise"]["corr_ns"])
+    # and their stalls, from the same calls: a rate and STALL_SLICES equally likely lengths
+    assert ("rank_stalls" in obj) == ("rank_noise" in obj)
+    if "rank_stalls" in obj:
+        from commsim.hardware.noise import STALL_SLICES
+
+        st = obj["rank_stalls"]
+        assert st["rate_per_s"] > 0 and len(st["lengths_ns"]) == STALL_SLICES
+        assert st["lengths_ns"] == sorted(st["lengths_ns"])  # slices of the sorted lengths
+        assert (p.rank_stalls_rate_per_s, list(p.rank_stalls_lengths_ns)) == (st["rate_per_s"], st["lengths_ns"])
     assert set(obj["gemm_by_dtype"]) == {"fp32", "bf16"}
     # the schedule's own GEMM shapes, timed in its precision (bf16: the default config)
     shapes = {(op.gemm.m, op.gemm.n, op.gemm.k, op.gemm.batch) for op in load_schedule_any(str(sched)).programs[0].step
@@ -90,7 +99,7 @@ def test_quick_calibration_then_predict(tmp_path):
     assert res.returncode == 0, res.stderr
     m = json.loads(res.stdout)
     assert m["step_time_s"] > 0
-    if p.rank_noise_sd:  # drifting ranks: every rank simulated, the median of seeded steps
+    if p.rank_noise_sd or p.platform.stalls:  # every rank simulated, the median of seeded steps
         assert m["mode"] == "per-rank" and len(m["step_time_samples_s"]) == 9
         assert m["step_time_s"] == sorted(m["step_time_samples_s"])[4]
 
@@ -137,13 +146,15 @@ def test_the_profile_document_follows_the_platform():
                  comm_slowdown=1.5, comm_slowdown_during_compute=1.2, comm_latency_slowdown_during_compute=2.0,
                  issue_ns=1000, per_op_ns=3000, alloc_latency_s=1e-6, alloc_s_per_byte=1e-10,
                  alloc_points=[[4096, 1e-6]], first_touch_s_per_byte=2e-10, cpu_cores=2, time_slice_ns=4_000_000,
-                 rank_noise={"sd": 0.05, "corr_ns": 1e8}, cache={"bytes": 1 << 25, "bytes_per_s": 6e10})
+                 rank_noise={"sd": 0.05, "corr_ns": 1e8}, cache={"bytes": 1 << 25, "bytes_per_s": 6e10},
+                 rank_stalls={"rate_per_s": 30.0, "lengths_ns": [1000, 2000]})
     cpu = profile_document(m, platform_of_backend("gloo"), torch.device("cpu"), 4, 4)
     assert cpu["cache"] == {"bytes": 1 << 25, "bytes_per_s": 6e10}
     assert (profile_from_dict(cpu, "cpu").cache_bytes, profile_from_dict(cpu, "cpu").cache_bytes_per_s) == \
         (1 << 25, 6e10)
     assert (cpu["caching_allocator"], cpu["default_dtype"], cpu["gemm"]) == (False, "fp32", [[1.0, 2.0]])
     assert (cpu["cpu_cores"], cpu["time_slice_ns"], cpu["rank_noise"]) == (2, 4_000_000, m.rank_noise)
+    assert profile_from_dict(cpu, "cpu").platform.stalls.rate_per_s == 30.0
     assert cpu["kernel_overhead_ns"] == 3000 and cpu["alloc"]["first_touch_ns_per_byte"] == 0.2
     assert cpu["description"].startswith("4 ranks (4 per node, 1 node), gloo, ")
     assert (cpu["backend"], cpu["world_size"], cpu["ranks_per_node"], cpu["nodes"], cpu["timing"]) == \

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from commsim.hardware.platform import CPU, GPU, CpuCores, MemoryModel, RankDrift, platform_of_backend
+from commsim.hardware.platform import CPU, GPU, CpuCores, MemoryModel, RankDrift, RankStalls, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
 from commsim.sim.engine import HOST, SimConfig, Simulator
@@ -339,6 +339,40 @@ def test_measured_drift_simulates_every_rank_and_reports_the_median_of_seeded_st
         RankDrift(0.1, 0)
     with pytest.raises(ValueError, match="when it is not 0, the correlation time > 0"):
         Simulator(Schedule.uniform(2, prog), FixedCosts(), SimConfig(rank_noise_sd=0.1, rank_noise_corr_ns=0))
+
+
+def test_rank_stalls_keep_the_mean_and_every_synchronisation_pays_for_the_rank_that_stalled():
+    """Each kernel is its undisturbed work (mean / (1 + loss)) plus the stalls that
+    arrive during it: alone, a long chain keeps its mean; ranks that meet after every
+    kernel wait for whichever stalled, so the same stalls cost a synchronising step more."""
+    costs = FixedCosts()
+    # 50 stalls a second of work, 1 or 3 ms each: 10% of the time
+    costs.platform = replace(CPU, stalls=RankStalls(50.0, (1_000_000, 3_000_000)))
+    assert costs.platform.stalls.loss == pytest.approx(0.1)
+    chain = Program((), tuple(comp(i, 1_000_000) for i in range(1, 2001)))
+    alone = Simulator(Schedule.uniform(1, chain), costs, SimConfig(jitter=0.0)).run()
+    assert alone.mode == "per-rank" and alone.step_time_ns != 2_000_000_000
+    assert abs(alone.step_time_ns / 2_000_000_000 - 1) < 0.03
+    # every kernel's time is its work (1 ms / 1.1) plus whole stalls of the two lengths
+    work = int(1_000_000 / 1.1)
+    assert {(e - s - work) % 1_000_000 for s, e in
+            ((r.start_ns, r.end_ns) for r in alone.ranks[0].records if r.stream == C)} == {0}
+    ops, i = [], 1
+    for _ in range(500):
+        ops += [comp(i, 1_000_000), coll(i + 1, 1, (0, 1), stream=C)]
+        i += 2
+    synced = Schedule.uniform(2, Program((), tuple(ops)))
+    met = Simulator(synced, costs, SimConfig(jitter=0.0)).run().step_time_ns
+    # each meeting waits out either rank's stalls: a kernel carries a stall about twice
+    # as often as on one rank, so the step pays the loss again over its mean, about 9%
+    # (seeds 0-5: 3.5-11.1%); without meetings the two ranks' stalls would overlap
+    assert met > 1.03 * (500 * 1_000_000 + 500)
+    costs.platform = CPU  # no stalls measured: one rank simulated, as before
+    assert Simulator(synced, costs).mode == "symmetric"
+    costs.platform = replace(CPU, stalls=RankStalls(50.0, (1_000_000, 3_000_000)))
+    assert Simulator(synced, costs, SimConfig(rank_stalls=False)).mode == "symmetric"
+    with pytest.raises(ValueError, match="when it is not 0, the lengths non-empty"):
+        RankStalls(10.0, ())
 
 
 def test_which_collectives_compute_follows():
