@@ -185,8 +185,17 @@ def measure_processes(processes: int = 3, world: int = WORLD, steps: int = STEPS
 
 
 def per_hook_ns(docs: list[dict]) -> int:
-    """The processes' median (a difference of minima, like the DeepSpeed plumbing)."""
-    return round(statistics.median(d["per_hook_call_ns"] for d in docs))
+    """Over the processes as the DeepSpeed plumbing is merged (``ds_host_derive.min_over_runs``):
+    the fastest FSDP2 step of any process less the fastest plain step, less what the
+    schedule prices (at the processes' median dispatch and call costs), per hook call."""
+    first = docs[0]
+    shape = ("units", "hook_calls", "priced_ops", "collective_calls")
+    assert all(tuple(d[k] for k in shape) == tuple(first[k] for k in shape) for d in docs), \
+        "every process ran the same model"
+    total = (min(d["sharded_ns"] for d in docs) - min(d["plain_ns"] for d in docs)
+             - first["priced_ops"] * statistics.median(d["op_ns"] for d in docs)
+             - first["collective_calls"] * statistics.median(d["collective_ns"] for d in docs))
+    return max(0, round(total / first["hook_calls"]))
 
 
 def measure_for_profile(processes: int = 3, log=print) -> dict:
@@ -197,7 +206,7 @@ def measure_for_profile(processes: int = 3, log=print) -> dict:
     log(f"FSDP2 (torch {torch.__version__}): {ns / 1e3:.0f} us per hook call")
     return {"fsdp2_hook_ns": ns,
             "source": f"torch {torch.__version__}'s FSDP2 hooks timed by commsim calibrate --fsdp2-host-costs "
-                      f"(runtime/fsdp2_host_costs.py, the median of {processes} processes)"}
+                      f"(runtime/fsdp2_host_costs.py: the fastest step of {processes} processes less the fastest plain step)"}
 
 
 def derive(stored_dir: str, paths: list[str]) -> dict[str, int]:

@@ -187,7 +187,7 @@ class HostCosts:
     # callback): its Python, record_function scopes and the views that swap sharded and
     # unsharded parameters, beyond the copies, allocations and collectives the schedule
     # prices itself (runtime/fsdp2_host_costs.py; machine and scaling below HOST_COSTS).
-    fsdp2_hook_ns: int = 309_100
+    fsdp2_hook_ns: int = 296_400
     # The per-parameter gradient hook (bucket bookkeeping, the copy call).
     grad_hook_ns: int = 23_300
     # A bucket flush: fixed, per rank (its partition bookkeeping), and per gradient in

@@ -63,14 +63,20 @@ def test_derive_scales_by_the_machines_ratio_on_deepspeeds_routines(tmp_path):
     for w in (8, 64):
         (stored / f"deepspeed-0.19.8-world{w}.json").write_text(json.dumps(_ds_run(w, 1.5)))
     paths = []
-    for i, (per_hook, w) in enumerate([(100_000, 8), (120_000, 64), (400_000, 8)]):
+    # three processes' fastest FSDP2 and plain steps, dispatch and call costs (ns), the
+    # same model (100 priced ops, 10 collective calls, 29 hook calls a step)
+    for i, (sharded, plain, op, coll, w) in enumerate([(1_000_000, 500_000, 10, 100, 8), (900_000, 520_000, 12, 110, 64),
+                                                       (950_000, 480_000, 20, 90, 8)]):
         paths.append(tmp_path / f"f{i}.json")
-        paths[-1].write_text(json.dumps({"per_hook_call_ns": per_hook}))
+        paths[-1].write_text(json.dumps({"per_hook_call_ns": 0, "sharded_ns": sharded, "plain_ns": plain, "op_ns": op,
+                                         "collective_ns": coll, "units": 7, "hook_calls": 29, "priced_ops": 100,
+                                         "collective_calls": 10}))
         paths.append(tmp_path / f"d{i}.json")
         paths[-1].write_text(json.dumps(_ds_run(w, 1.0)))
     got = derive(str(stored), [str(p) for p in paths])
-    # median 120 us here, the stored machine 1.5x slower on DeepSpeed's routines
-    assert got == {"fsdp2_hook_ns": 180_000, "measured_ns": 120_000, "machine_ratio_x1000": 1500}
+    # the fastest FSDP2 step less the fastest plain one, less 100 ops at the median 12 ns
+    # and 10 calls at 100 ns, over 29 hook calls: 14,407 ns; the stored machine 1.5x slower
+    assert got == {"fsdp2_hook_ns": 21_600, "measured_ns": 14_407, "machine_ratio_x1000": 1500}
 
 
 def test_the_default_is_the_stored_fsdp2_runs_derived():
