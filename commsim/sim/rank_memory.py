@@ -46,7 +46,8 @@ class RankMemory:
         elif not platform.caching_allocator:
             # host malloc, every time (the block bookkeeping still gives peaks): priced by
             # size where the profile measured it (heap reuse vs fresh mmapped pages)
-            yield from self._on_core(cost.host_malloc_ns(op.size_bytes, op.touch_bytes))
+            # the rank's thread at work, so its stalls arrive during it too (RankStalls)
+            yield from self._on_core(self._stalled(cost.host_malloc_ns(op.size_bytes, op.touch_bytes)))
         else:
             yield env.timeout(self.sim.config.alloc_hit_ns)
         self.blocks[op.buffer] = res.block
