@@ -1,0 +1,70 @@
+"""bench/repredict_local.py: a kept validate_local folder predicted again. The rows come
+from the folder's manifest (or, without one, its settings files matched to the grid),
+each run from the profile validate_local predicted it with, and the table's error is
+the prediction against the stored measurement."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "repredict_local.py"
+PROFILE = ROOT / "traces" / "local-cpu" / "small_z2.profile.json"  # a stored 2-rank gloo profile
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def ds_folder(tmp_path: Path, step_s: float) -> Path:
+    """A folder as validate_local leaves it for one run of the grid's 'DS small z2'."""
+    work = tmp_path / "work"
+    work.mkdir(parents=True)
+    (work / "rows.json").write_text(json.dumps({"rows": ["DS small z2"], "repeats": 1, "calibrate_once": False,
+                                                "before_only": False}))
+    (work / "ds0.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}))
+    shutil.copy(PROFILE, work / "profile0.json")
+    shutil.copy(PROFILE, work / "profile0.mean.json")
+    # ds_train's timings: three warm-up steps, then the measured ones (median step_s)
+    steps = [9.0, 9.0, 9.0, step_s - 0.01, step_s, step_s + 0.02]
+    phases = {"forward": [1.0] * 6, "backward": [2.0] * 6, "step": [0.5] * 6}
+    (work / "measured0.json").write_text(json.dumps({"step_times_s": steps, "phase_times_s": phases}))
+    return work
+
+
+def test_a_folder_predicted_again_against_its_measurement(tmp_path):
+    work = ds_folder(tmp_path, 0.8)
+    out = run(str(work))
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("DS small z2"))
+    pred, meas, err = re.match(r"DS small z2\s+2\s+([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)%", line).groups()
+    assert float(meas) == 0.8  # the median of the measured steps, warm-up left out
+    assert float(err) == round((float(pred) - 0.8) / 0.8 * 100, 1)
+    assert "phases: forward" in out.stdout and out.stdout.rstrip().splitlines()[-2].startswith("median |error|")
+    # the same prediction whatever the measurement: only the error moves
+    work2 = ds_folder(tmp_path / "b", 1.6)
+    line2 = next(ln for ln in run(str(work2)).stdout.splitlines() if ln.startswith("DS small z2"))
+    assert line2.split()[4] == pred and float(line2.split()[5]) == 1.6
+    # another profile's stalls put into every run's profile: the prediction moves
+    stalled = tmp_path / "stalls.json"
+    stalled.write_text(json.dumps({**json.loads(PROFILE.read_text()),
+                                   "rank_stalls": {"rate_per_s": 200.0, "lengths_ns": [2_000_000, 6_000_000]}}))
+    out3 = run(str(work), "--rank-stalls", str(stalled))
+    line3 = next(ln for ln in out3.stdout.splitlines() if ln.startswith("DS small z2"))
+    assert float(line3.split()[4]) > float(pred)
+
+
+def test_folders_it_cannot_read(tmp_path):
+    work = ds_folder(tmp_path, 0.8)
+    out = run(str(work), "--row", "small z2")
+    assert out.returncode == 2 and "--row 'small z2': not a row this folder measured" in out.stderr
+    out = run(str(work), "--rank-stalls", str(PROFILE))
+    assert out.returncode == 2 and f"--rank-stalls {PROFILE}: the profile has no rank_stalls" in out.stderr
+    (work / "rows.json").unlink()  # no manifest: ds0.json is not the grid's first row
+    out = run(str(work))
+    assert out.returncode != 0 and "ds0.json is not the grid's row 0 ('small z3 opt')" in out.stderr
