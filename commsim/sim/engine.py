@@ -367,8 +367,8 @@ def simulate(sim: Simulator) -> SimResult:
     """Run a simulator's step. When ranks' speeds drift (rank noise) or they stall (rank
     stalls), one step is one draw of a random process: NOISE_SAMPLES seeded steps are
     simulated (seeds seed, seed+1, ..., all starting from the first one's warm-up, which
-    has neither) and
-    the median one is returned, with every step time in ``step_samples_ns``."""
+    has neither) and the median one is returned, with every step time in
+    ``step_samples_ns``."""
     first = sim.run()
     if not (sim.rank_noise[0] or sim.rank_stalls) or first.oom:
         return first
