@@ -17,14 +17,14 @@ A rank has a **host** process that issues its program in order and one process p
 
 How device ops are issued and kernels are run is the platform's: ``GpuRank`` queues
 them on streams (``gpu_rank``), ``CpuRank`` runs kernels on the host thread and hands
-collectives to the backend in program order (``cpu_rank``). Times are integer ns.
+collectives to the backend in program order (``cpu_rank``). Each op's time on the
+rank (jitter, drift, stalls) is ``rank_speed``'s. Times are integer ns.
 """
 
 from __future__ import annotations
 
 import random
 from collections import deque
-from math import exp, sqrt
 from typing import TYPE_CHECKING
 
 import simpy
@@ -35,13 +35,14 @@ from commsim.ir import ops as O
 from commsim.sim.allocator import Block, CachingAllocator
 from commsim.sim.cpu_scheduler import CpuScheduler, CpuThread
 from commsim.sim.rank_memory import RankMemory
+from commsim.sim.rank_speed import RankSpeed
 from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, stall_kind
 
 if TYPE_CHECKING:
     from commsim.sim.engine import Simulator
 
 
-class RankSim(RankMemory):
+class RankSim(RankMemory, RankSpeed):
     """One simulated rank: its host process, stream processes and allocator."""
 
     def __init__(self, sim: "Simulator", rank: int):
@@ -242,17 +243,6 @@ class RankSim(RankMemory):
             if bs is not None:
                 bs.add(op.stream)
 
-    def _host_ns(self, duration_ns: int) -> int:
-        """A host op's time on this rank: drawn (per-rank mode) or its mean, its variance
-        kept for the lateness of the next collective (symmetric mode)."""
-        sd = self.host_sd
-        if not sd:
-            return self._stalled(duration_ns)
-        if self.lateness is not None:
-            self.lateness.add(duration_ns)
-            return duration_ns
-        return self._stalled(max(0, int(duration_ns * exp(self.host_rng.gauss(0.0, sd) - sd * sd / 2))))
-
     def _spend(self, ns: int):
         """The host thread's own time: on a scheduled CPU it needs a core for it."""
         if ns <= 0:
@@ -278,46 +268,10 @@ class RankSim(RankMemory):
         else:
             yield from self.cpu.run(self.thread, self.sim.core_work_ns(measured_ns))
 
-    def _speed(self, dur: int) -> int:
-        """A duration scaled by the rank's speed now: the OU process advanced from its
-        last sample, exp(x - sd^2/2) so that its mean factor is 1."""
-        if not self.noise_sd:
-            return self._stalled(dur)
-        dt = self.env.now - self.noise_t
-        self.noise_t = self.env.now
-        if dt:
-            rho = exp(-dt / self.noise_corr_ns)
-            self.noise_x = self.noise_x * rho + self.noise_sd * sqrt(1.0 - rho * rho) * self.rng.gauss(0.0, 1.0)
-        return self._stalled(max(1, int(dur * exp(self.noise_x - self.noise_sd ** 2 / 2))))
-
-    def _stalled(self, dur: int) -> int:
-        """``dur``, a measured mean that holds its share of the rank's stalls, as
-        undisturbed work (``dur / (1 + loss)``) plus the stalls that arrive during it:
-        Poisson arrivals, lengths drawn from the measured ones (RankStalls). The mean
-        stays ``dur``; a sync after it waits for whichever rank stalled."""
-        st = self.stalls
-        if not st or dur <= 0:
-            return dur
-        work = dur / (1.0 + st.loss)
-        rate_per_ns = st.rate_per_s / 1e9
-        rng = self.stall_rng
-        t = rng.expovariate(rate_per_ns)
-        extra = 0
-        while t < work:
-            extra += rng.choice(st.lengths_ns)
-            t += rng.expovariate(rate_per_ns)
-        return max(1, int(work) + extra)
-
     def _compute_ns(self, op: O.Compute, comm_slowed: bool) -> int:
         """A kernel's time: its cost beside this rank's in-flight collectives (when the
         platform shares the device that way), jittered, scaled by the rank's speed."""
         return self._jittered(self.cost.compute_ns(op, self.taken if comm_slowed else IDLE))
-
-    def _jittered(self, dur: int) -> int:
-        """A kernel time jittered per rank and scaled by the rank's speed now."""
-        if self.jitter:
-            dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
-        return self._speed(dur)
 
     def _timed_on_node(self, dur: int):
         """``dur`` of work that slows the node's links while it runs."""

@@ -1,0 +1,62 @@
+"""A simulated rank's speed: each op's time on this rank, drawn where the rank is not
+clockwork. A kernel jittered per op (``SimConfig.jitter``); every kernel, copy and
+collective call scaled by the rank's speed drift (an Ornstein-Uhlenbeck process of log
+speed, ``RankDrift``); every piece of the rank's thread's work given the stalls that
+arrive during it (``RankStalls``); a host op drawn with the host jitter (per-rank mode)
+or kept for the lateness of the next collective (symmetric mode). Each keeps the op's
+mean. A mixin of ``rank.RankSim``, whose state it uses."""
+
+from __future__ import annotations
+
+from math import exp, sqrt
+
+
+class RankSpeed:
+    """Durations of one rank's ops; the attributes it reads are RankSim's."""
+
+    def _jittered(self, dur: int) -> int:
+        """A kernel time jittered per rank and scaled by the rank's speed now."""
+        if self.jitter:
+            dur = max(1, int(dur * max(0.5, self.rng.gauss(1.0, self.jitter))))
+        return self._speed(dur)
+
+    def _speed(self, dur: int) -> int:
+        """A duration scaled by the rank's speed now: the OU process advanced from its
+        last sample, exp(x - sd^2/2) so that its mean factor is 1."""
+        if not self.noise_sd:
+            return self._stalled(dur)
+        dt = self.env.now - self.noise_t
+        self.noise_t = self.env.now
+        if dt:
+            rho = exp(-dt / self.noise_corr_ns)
+            self.noise_x = self.noise_x * rho + self.noise_sd * sqrt(1.0 - rho * rho) * self.rng.gauss(0.0, 1.0)
+        return self._stalled(max(1, int(dur * exp(self.noise_x - self.noise_sd ** 2 / 2))))
+
+    def _stalled(self, dur: int) -> int:
+        """``dur``, a measured mean that holds its share of the rank's stalls, as
+        undisturbed work (``dur / (1 + loss)``) plus the stalls that arrive during it:
+        Poisson arrivals, lengths drawn from the measured ones (RankStalls). The mean
+        stays ``dur``; a sync after it waits for whichever rank stalled."""
+        st = self.stalls
+        if not st or dur <= 0:
+            return dur
+        work = dur / (1.0 + st.loss)
+        rate_per_ns = st.rate_per_s / 1e9
+        rng = self.stall_rng
+        t = rng.expovariate(rate_per_ns)
+        extra = 0
+        while t < work:
+            extra += rng.choice(st.lengths_ns)
+            t += rng.expovariate(rate_per_ns)
+        return max(1, int(work) + extra)
+
+    def _host_ns(self, duration_ns: int) -> int:
+        """A host op's time on this rank: drawn (per-rank mode) or its mean, its variance
+        kept for the lateness of the next collective (symmetric mode)."""
+        sd = self.host_sd
+        if not sd:
+            return self._stalled(duration_ns)
+        if self.lateness is not None:
+            self.lateness.add(duration_ns)
+            return duration_ns
+        return self._stalled(max(0, int(duration_ns * exp(self.host_rng.gauss(0.0, sd) - sd * sd / 2))))
