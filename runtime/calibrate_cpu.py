@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from commsim.hardware.noise import STALL_SLICES, fit_rank_noise, fit_rank_stalls, pool_rank_stalls
+from commsim.hardware.platform import RankStalls
 from commsim.ir import ops as O
 from runtime.kernels import last_level_cache_bytes
 
@@ -83,7 +84,7 @@ def rank_noise(cal: Calibrator, cores: int) -> tuple[dict[str, float] | None, di
     every = [torch.empty_like(mine) for _ in range(cal.world)]
     dist.all_gather(every, mine)
     rate, lengths = pool_rank_stalls([(e[0].item(), e[1:].tolist() if e[0].item() else []) for e in every])
-    loss = rate * sum(lengths) / len(lengths) / 1e9 if lengths else 0.0
+    loss = RankStalls(rate, tuple(lengths)).loss
     cal.log(f"ranks' stalls: {rate:.0f} a second of work, mean {loss / rate * 1e9 / 1e3 if rate else 0:.0f} us, "
             f"longest slice {max(lengths, default=0) / 1e6:.2f} ms; {loss:.1%} of the time")
     return {"sd": sd, "corr_ns": corr_ns}, {"rate_per_s": rate, "lengths_ns": [round(x) for x in lengths]}

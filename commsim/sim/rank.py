@@ -73,7 +73,9 @@ class RankSim(RankMemory, RankSpeed):
         self.noise_sd, self.noise_corr_ns = sim.rank_noise
         self.noise_x = self.rng.gauss(0.0, self.noise_sd) if self.noise_sd else 0.0
         self.noise_t = 0
-        self.stalls = sim.rank_stalls
+        # the stalls' arrival rate and each op's undisturbed share, once (None: no stalls)
+        st = sim.rank_stalls
+        self.stalls = (st.rate_per_s / 1e9, 1.0 / (1.0 + st.loss), st.lengths_ns) if st else None
         # its own stream of draws, so a profile without stalls simulates as before
         self.stall_rng = random.Random(sim.config.seed * 104_729 + rank + 2)
         self.finished_issuing = False

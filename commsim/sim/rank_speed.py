@@ -37,16 +37,15 @@ class RankSpeed:
         undisturbed work (``dur / (1 + loss)``) plus the stalls that arrive during it:
         Poisson arrivals, lengths drawn from the measured ones (RankStalls). The mean
         stays ``dur``; a sync after it waits for whichever rank stalled."""
-        st = self.stalls
-        if not st or dur <= 0:
+        if self.stalls is None or dur <= 0:
             return dur
-        work = dur / (1.0 + st.loss)
-        rate_per_ns = st.rate_per_s / 1e9
+        rate_per_ns, work_share, lengths_ns = self.stalls
+        work = dur * work_share
         rng = self.stall_rng
         t = rng.expovariate(rate_per_ns)
         extra = 0
         while t < work:
-            extra += rng.choice(st.lengths_ns)
+            extra += rng.choice(lengths_ns)
             t += rng.expovariate(rate_per_ns)
         return max(1, int(work) + extra)
 
