@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from validate_local import (GRID, MANIFEST, Row, measured_phases, report_row, report_totals,  # noqa: E402
-                            row_config, scenario, stored_step_s)
+from local_report import MANIFEST, fresh_pages, measured_phases, report_row, report_totals, stored_step_s  # noqa: E402
+from validate_local import GRID, Row, row_config, scenario  # noqa: E402
 
 from commsim.api import predict  # noqa: E402
 
@@ -115,7 +115,7 @@ def main() -> None:
         cfg_path = work / f"{'fsdp' if row.fsdp is not None else 'ds'}{i}.json"
         runner = "framework" if row.runner == "deepspeed" or row.fsdp is not None else "executor"
         sc = scenario(row, str(cfg_path), runner=runner)
-        preds, meass, phase_runs, op_pcts = [], [], {}, []
+        preds, meass, phase_runs, op_pcts, page_runs = [], [], {}, [], {}
         for k in range(repeats):
             out = work / f"measured{i}{'' if k == 0 else f'.{k + 1}'}.json"
             if not out.exists():
@@ -126,10 +126,12 @@ def main() -> None:
             ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace())
             for p, v in ph_meas.items():
                 phase_runs.setdefault(p, []).append((ph_pred[p], v))
+            for p, v in fresh_pages(row, out, prediction).items():
+                page_runs.setdefault(p, []).append(v)
             op_pcts.append(ops)
         if not preds:
             continue
-        err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, repeats)
+        err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, repeats, page_runs)
         signed.append(err)
         single_errs += run_errs
         phase_errs += list(ph_err.values())

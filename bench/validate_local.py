@@ -64,6 +64,9 @@ from commsim.ir.serialize import save_schedule  # noqa: E402
 from runtime.calibrate_ds import FIELDS as DS_FIELDS, merge_host_costs  # noqa: E402
 from runtime.fsdp2_host_costs import measure_for_profile as measure_fsdp2_hooks  # noqa: E402
 
+from local_report import (DEEPSPEED_WARMUP, EXECUTOR_WARMUP, FSDP2_WARMUP, MANIFEST, fresh_pages,  # noqa: E402
+                          measured_phases, median_step_s, report_row, report_totals, stored_step_s)
+
 
 @dataclass(frozen=True)
 class Row:
@@ -165,32 +168,6 @@ def scenario(row: Row, cfg: str | dict, **kw) -> Scenario:
                     preset=row.preset, **kw)
 
 
-# Steady state only. The executor's first measured step after a single warm-up step is
-# slower than the next ones (first-touch page faults of freshly allocated buffers), so
-# two warm-up steps. Real DeepSpeed records its module trace in steps 0-1 and allocates
-# the optimizer state lazily in its first step(); its step times settle from step 3 on.
-EXECUTOR_WARMUP = 2
-DEEPSPEED_WARMUP = 3
-# FSDP2 initialises lazily in its first forward and AdamW its state in the first step()
-FSDP2_WARMUP = 2
-# the work folder's list of the rows it measured, in the order of its numbered files
-MANIFEST = "rows.json"
-
-
-def median_step_s(trace: Path) -> float:
-    """The median measured step of an executor trace, in seconds."""
-    return statistics.median(json.loads(trace.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
-
-
-def stored_step_s(row: Row, out: Path) -> float:
-    """The median measured step of a row's run from what the run wrote: the executor's
-    trace, or the framework's timings less its warm-up steps."""
-    if row.runner == "deepspeed" or row.fsdp is not None:
-        warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
-        return statistics.median(json.loads(out.read_text())["step_times_s"][warmup:])
-    return median_step_s(out)
-
-
 def measure_executor(row: Row, sched_path: Path, out: Path, steps: int) -> float:
     commsim("execute", str(sched_path), "--nproc-per-node", str(row.ranks), "--steps", str(steps),
             "--warmup", str(EXECUTOR_WARMUP), "-o", str(out))
@@ -215,30 +192,6 @@ def measure_deepspeed(row: Row, cfg_path: Path, timings: Path, steps: int) -> fl
         print(f"  ({row.name}: a rank aborted in teardown after its timings were written; the run stands)",
               file=sys.stderr)
     return stored_step_s(row, timings)
-
-
-# ds_train's and fsdp_train's phase names (its timer's boundaries: forward, backward, engine.step)
-_DS_PHASES = {"forward": "forward", "backward": "backward", "step": "optimizer"}
-
-
-def measured_phases(row: Row, out: Path, pred_trace) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """(predicted, measured) wall time of each phase of the step, and of communication
-    where the run recorded its collectives, in seconds (measured: the median over the
-    measured steps), and the per-op error percentiles (executor runs)."""
-    from commsim.ir.trace import Trace
-    from commsim.report.compare import compare, phase_times
-
-    pred_records = [r for r in pred_trace.records if r.rank == 0 and r.step == 0]
-    predicted = {p: ns / 1e9 for p, ns in phase_times(pred_records).items()}
-    if row.runner == "deepspeed" or row.fsdp is not None:
-        warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
-        obj = json.loads(out.read_text())["phase_times_s"]
-        measured = {_DS_PHASES[k]: statistics.median(v[warmup:]) for k, v in obj.items()}
-        return predicted, measured, {}
-    c = compare(pred_trace, Trace.load(out))
-    predicted["communication"] = c.predicted.comm_ns / 1e9
-    measured = {p: ns / 1e9 for p, ns in c.measured_phase_ns.items()}
-    return predicted, measured, c.percentiles()
 
 
 def fsdp2_args(row: Row, cfg_path: Path, timings: Path, steps: int) -> list[str]:
@@ -439,6 +392,7 @@ def main() -> None:
         save_schedule(schedule, sched_path)
         preds, meass = [], []
         phase_runs: dict[str, list[tuple[float, float]]] = {}  # phase -> (predicted, measured) per run
+        page_runs: dict[str, list[tuple[float, float]]] = {}  # a framework's fresh pages, the same way
         op_pcts: list[dict[str, float]] = []
         for k in range(args.repeats):
             tag = "" if k == 0 else f".{k + 1}"
@@ -462,6 +416,8 @@ def main() -> None:
             ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace())
             for p, v in ph_meas.items():
                 phase_runs.setdefault(p, []).append((ph_pred[p], v))
+            for p, v in fresh_pages(row, out, prediction).items():
+                page_runs.setdefault(p, []).append(v)
             op_pcts.append(ops)
             if k == 0 and row.runner != "deepspeed" and row.fsdp is None and args.traces:
                 dest = Path(args.traces)
@@ -472,51 +428,13 @@ def main() -> None:
                 Trace.load(out).save(dest / f"{stem}.json.gz")
                 shutil.copy(profile, dest / f"{stem}.profile.json")
                 save_schedule(schedule, dest / f"{stem}.schedule.json.gz")  # what the trace measured
-        row_err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, args.repeats)
+        row_err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, args.repeats, page_runs)
         results.append((row, statistics.fmean(preds), statistics.fmean(meass), row_err))
         single_errs += run_errs
         phase_errs += list(ph_err.values())
         phase_rows += 1 if ph_err else 0
     print(f"(took {time.time() - t0:.0f} s; work files in {work})")
     report_totals([e for *_, e in results], single_errs, phase_errs, phase_rows, args.repeats)
-
-
-def report_row(row: Row, preds: list[float], meass: list[float], phase_runs: dict[str, list[tuple[float, float]]],
-               op_pcts: list[dict[str, float]], repeats: int) -> tuple[float, list[float], dict[str, float]]:
-    """Print a row's line and its phases line; return its error (mean prediction against
-    mean measurement), each run's own error and each phase's error."""
-    pred, meas = statistics.fmean(preds), statistics.fmean(meass)
-    err = (pred - meas) / meas
-    run_errs = [(p - m) / m for p, m in zip(preds, meass)]
-    each = ", ".join(f"{e:+.1%}" for e in run_errs)
-    print(f"{row.name:<34}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}"
-          + (f"   ({each})" if repeats > 1 else ""), flush=True)
-    # each phase's mean prediction against its mean measurement, as for the step
-    ph_err = {p: (statistics.fmean(a for a, _ in v) - statistics.fmean(b for _, b in v))
-              / statistics.fmean(b for _, b in v) for p, v in phase_runs.items() if statistics.fmean(b for _, b in v)}
-    ops = [o for o in op_pcts if o]
-    print("    phases: " + ", ".join(f"{p} {e:+.1%}" for p, e in ph_err.items())
-          + (f"; per op: median {statistics.fmean(o['p50'] for o in ops):+.0%}, "
-             f"p90 {statistics.fmean(o['p90'] for o in ops):+.0%}" if ops else ""), flush=True)
-    return err, run_errs, ph_err
-
-
-def report_totals(signed: list[float], single_errs: list[float], phase_errs: list[float], phase_rows: int,
-                  repeats: int) -> None:
-    """The closing lines: each run on its own (with repeats), the rows, the phases."""
-    if repeats > 1:
-        print("each run on its own: " + error_summary(single_errs) + f"  runs = {len(single_errs)}")
-    print(error_summary(signed) + f"  rows = {len(signed)}")
-    if phase_errs:
-        print("phases: " + error_summary(phase_errs) + f"  rows = {phase_rows}")
-
-
-def error_summary(signed: list[float]) -> str:
-    """Median and max |error|, and the bias: the mean signed error and how many were low."""
-    mags = [abs(e) for e in signed]
-    low = sum(e < 0 for e in signed)
-    return (f"median |error| = {statistics.median(mags):.1%}  max |error| = {max(mags):.1%}  "
-            f"mean signed error = {statistics.fmean(signed):+.1%} ({low} of {len(signed)} low)")
 
 
 if __name__ == "__main__":

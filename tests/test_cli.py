@@ -1,6 +1,7 @@
 """The CLI as a user runs it: exit codes, one-line errors, outputs."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -211,6 +212,11 @@ def test_predict_with_a_measured_profile(tmp_path):
     res = predict_json("--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16",
                        "--hw-profile", str(prof))
     assert res["step_time_s"] > 0 and res["mode"] == "symmetric"
+    # a framework's run on CPUs says what glibc's heap hands out fresh; the executor's not
+    args = ("predict", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16",
+            "--hw-profile", str(prof))
+    assert re.search(r"^fresh host pages +fwd \d+ MiB, .*optimizer \d+ MiB a step", run(*args).stdout, re.M)
+    assert "fresh host pages" not in run(*args, "--runner", "executor").stdout
     out = run("predict", "--hw-profile", str(tmp_path / "missing.json"))
     assert out.returncode == 2 and "missing.json: cannot read" in out.stderr
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -33,7 +34,12 @@ def ds_folder(tmp_path: Path, step_s: float) -> Path:
     # ds_train's timings: three warm-up steps, then the measured ones (median step_s)
     steps = [9.0, 9.0, 9.0, step_s - 0.01, step_s, step_s + 0.02]
     phases = {"forward": [1.0] * 6, "backward": [2.0] * 6, "step": [0.5] * 6}
-    (work / "measured0.json").write_text(json.dumps({"step_times_s": steps, "phase_times_s": phases}))
+    # minor faults: 1 MiB a step in backward, 32 MiB in the step, after a noisy warm-up
+    page = resource.getpagesize()
+    faults = {"forward": [9999, 0, 0, 0, 0, 0], "backward": [9999] * 3 + [(1 << 20) // page] * 3,
+              "step": [9999] * 3 + [(32 << 20) // page] * 3}
+    (work / "measured0.json").write_text(json.dumps({"step_times_s": steps, "phase_times_s": phases,
+                                                     "phase_minor_faults": faults}))
     return work
 
 
@@ -46,6 +52,11 @@ def test_a_folder_predicted_again_against_its_measurement(tmp_path):
     assert float(meas) == 0.8  # the median of the measured steps, warm-up left out
     assert float(err) == round((float(pred) - 0.8) / 0.8 * 100, 1)
     assert "phases: forward" in out.stdout and out.stdout.rstrip().splitlines()[-2].startswith("median |error|")
+    # the heap's fresh pages beside the run's faults, the warm-up steps left out
+    pages = re.search(r"fresh pages, MiB a step \(predicted / measured\): forward (\d+) / 0, backward (\d+) / 1, "
+                      r"optimizer (\d+) / 32$", out.stdout, re.M)
+    assert pages is not None, out.stdout
+    assert int(pages.group(3)) > 0  # ZeRO-2's step: a flat fp32 gradient and AdamW's temporaries, over 32 MiB
     # the same prediction whatever the measurement: only the error moves
     work2 = ds_folder(tmp_path / "b", 1.6)
     line2 = next(ln for ln in run(str(work2)).stdout.splitlines() if ln.startswith("DS small z2"))

@@ -46,6 +46,10 @@ class CostModel(Protocol):
     def node_of(self, rank: int) -> int: ...
     # an allocation with no cache in front, of which touch_bytes (None: all) get written
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int: ...
+    # a framework's tensors on a CPU: what one byte of fresh pages costs at its first
+    # write (the simulator tracks glibc's heap to know which bytes are fresh:
+    # sim.host_heap); None: allocations are priced by size alone (host_malloc_ns)
+    def fresh_page_ns_per_byte(self) -> float | None: ...
 
     # interference by measured factors (profiles; a model with gpu_resources derives it
     # instead): compute runs this much slower while its rank communicates; a collective's
@@ -107,6 +111,9 @@ class SpecCostModel:
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int:
         # cudaMalloc maps the whole segment whatever is written later
         return self.malloc_base_ns + int(self.malloc_ns_per_byte * size_bytes)
+
+    def fresh_page_ns_per_byte(self) -> float | None:
+        return None  # GPUs: the caching allocator
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node

@@ -185,26 +185,10 @@ class HardwareProfile:
         measured with zero-filled blocks (every page written). A block of which only
         ``touch_bytes`` are ever written: above glibc's mmap threshold it is fresh pages
         and pays the first touch of what is written; below it the heap's pages are
-        already touched and only the fixed cost remains.
-
-        A framework's allocation (``framework``) is a ``torch.empty`` that the op making
-        it writes (the generators emit a fill op where the framework zeroes one): a heap
-        block costs nothing beyond that op's dispatch, fresh mmapped pages their first
-        touch. torch's sqrt into a new 4 KiB-30 MiB tensor took as long as into an
-        existing one (within 3%), into a new 34 / 64 MiB one 10.5 / 22.2 ms longer (0.33
-        ns a byte; bench/framework_alloc.py), and real DeepSpeed's optimizer step faulted
-        as many pages as its schedule's mmapped blocks hold (traces/README.md, "A
-        framework's allocations"); the table, zero-filled in a barrier's wake, prices a
-        4 KiB block at tens of us."""
+        already touched and only the fixed cost remains. (A framework's allocations are
+        priced by the heap they come from instead: ``fresh_page_ns_per_byte``.)"""
         partial = touch_bytes is not None and touch_bytes < size_bytes
         pts = self.alloc_points
-        if self.framework:
-            if size_bytes < GLIBC_MMAP_THRESHOLD_MAX_BYTES:
-                return 0
-            written = size_bytes if touch_bytes is None else touch_bytes
-            per_byte = self.first_touch_ns_per_byte or (pts[-1][1] / pts[-1][0] * 1e9 if pts
-                                                        else self.malloc_ns_per_byte)
-            return int(per_byte * written)
         if len(pts) < 2:  # the line, over the bytes that get written
             return self.malloc_base_ns + int(self.malloc_ns_per_byte * (touch_bytes if partial else size_bytes))
         (x_lo, y_lo), (x_hi, y_hi) = pts[0], pts[-1]
@@ -224,6 +208,23 @@ class HardwareProfile:
         if len(side) == 1:
             return int(side[0][1] * size_bytes / side[0][0] * 1e9)
         return max(0, int(piecewise(side if side else pts, size_bytes) * 1e9))
+
+    def fresh_page_ns_per_byte(self) -> float | None:
+        """A framework's allocation (``framework``, on a malloc platform) is a
+        ``torch.empty`` that the op making it writes (the generators emit a fill op where
+        the framework zeroes one): it costs nothing beyond that op's dispatch but the
+        first write of fresh pages, which the simulator finds by tracking glibc's heap
+        (``sim.host_heap``), at the calibrated first touch (fault, kernel zeroing, and
+        the unmap or trim that hands the page back) per byte. torch's sqrt into a new
+        4 KiB-30 MiB tensor took as long as into an existing one (within 3%), into a new
+        34 / 64 MiB one 10.5 / 22.2 ms longer (0.33 ns a byte; bench/framework_alloc.py);
+        the allocation table, zero-filled in a barrier's wake, prices a 4 KiB block at
+        tens of us. Without a first-touch figure, the largest measured size's cost per
+        byte. None: the executor's zero-filled allocations, priced by the table."""
+        if not self.framework or self.caching_allocator:
+            return None
+        pts = self.alloc_points
+        return self.first_touch_ns_per_byte or (pts[-1][1] / pts[-1][0] * 1e9 if pts else self.malloc_ns_per_byte)
 
     def run_by_framework(self) -> "HardwareProfile":
         """This profile pricing a framework's run of a schedule instead of commsim's

@@ -37,6 +37,7 @@ from commsim.sim.allocator import OutOfMemory
 from commsim.sim.cpu_rank import CpuRank, followed_by_compute
 from commsim.sim.cpu_scheduler import CpuScheduler
 from commsim.sim.gpu_rank import GpuRank
+from commsim.sim.host_heap import HostHeap, rehearsed_heap
 from commsim.sim.network import FluidNetwork
 from commsim.sim.rank import RankSim
 from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, SimConfig, SimResult, stall_kind
@@ -101,6 +102,7 @@ class Simulator:
         self._on_node: dict[int, int] = {}
         self._stream_comm: dict[int, dict[str, str]] = {}
         self._followed: dict[int, frozenset[O.OpId]] = {}  # program -> collectives followed by compute
+        self._heaps: dict[int, HostHeap] = {}  # program -> its glibc heap after the warm-up steps
         self.cpus: dict[int, CpuScheduler] = {}
         self.cpu_sharing = ""
         self.rank_kind: type[RankSim] = CpuRank if platform.inline_kernels else GpuRank
@@ -118,6 +120,14 @@ class Simulator:
         """A cost measured with every rank of the node busy at once, as one core's work:
         the ranks shared the cores then (cores / ranks each); the scheduler shares them now."""
         return max(1, int(measured_ns * self._core_share))
+
+    def rehearsed_heap(self, rank: int) -> HostHeap:
+        """``rank``'s program's heap after the steps a measured run warmed up with (one
+        per program: the ranks of one program reach the same state)."""
+        index = self.schedule.rank_program[rank]
+        if index not in self._heaps:
+            self._heaps[index] = rehearsed_heap(self.schedule.programs[index])
+        return self._heaps[index]
 
     def stream_comm(self, program) -> dict[str, str]:
         """Communication streams of a program and the stall kind of their collectives: a

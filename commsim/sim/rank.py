@@ -23,6 +23,7 @@ rank (jitter, drift, stalls) is ``rank_speed``'s. Times are integer ns.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from commsim.sim.lateness import HostLateness
 from commsim.ir import ops as O
 from commsim.sim.allocator import Block, CachingAllocator
 from commsim.sim.cpu_scheduler import CpuScheduler, CpuThread
+from commsim.sim.host_heap import HostHeap
 from commsim.sim.rank_memory import RankMemory
 from commsim.sim.rank_speed import RankSpeed
 from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, stall_kind
@@ -55,6 +57,11 @@ class RankSim(RankMemory, RankSpeed):
         self.result = RankResult(rank)
         self.alloc = CachingAllocator(sim.cost.hbm_bytes)
         self.result.allocator = self.alloc
+        # a framework's tensors on a CPU: glibc's heap says which bytes are fresh pages
+        self.fresh_ns_per_byte = sim.cost.fresh_page_ns_per_byte()
+        self.heap: HostHeap | None = None
+        self.heap_keys: dict[str, str] = {}  # live buffer -> its block's name in the heap
+        self.heap_n = itertools.count()
         self.done: dict[O.OpId, simpy.Event] = {}
         self.queues: dict[str, deque] = {}
         self.wakeups: dict[str, simpy.Event | None] = {}
@@ -95,6 +102,9 @@ class RankSim(RankMemory, RankSpeed):
 
     # ------------------------------------------------------------ setup
     def run_setup(self) -> None:
+        if self.fresh_ns_per_byte is not None:  # the heap after the warm-up steps a run had
+            self.heap = self.sim.rehearsed_heap(self.rank).clone()
+            self.heap_keys = {b: b for b in self.heap.used}
         for op in self.program.setup:
             res = self.alloc.malloc(op.size_bytes, op.stream)
             if res is None:
@@ -111,6 +121,8 @@ class RankSim(RankMemory, RankSpeed):
         self.block_stream = dict(warm.block_stream)
         self.result.allocator = alloc
         self.buffer_streams = {b: set() for b in self.blocks}
+        self.heap = warm.heap.clone() if warm.heap is not None else None
+        self.heap_keys = dict(warm.heap_keys)
 
     # ------------------------------------------------------------ host
     def host(self, warmup_steps: int):

@@ -43,6 +43,16 @@ class RankMemory:
                 yield simpy.AllOf(env, pending)
             yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes))
             self.result.host_blocks.append(HostBlock(t0, env.now, "allocator"))
+        elif self.heap is not None:
+            # a framework's torch.empty: only the first write of fresh pages costs, and
+            # glibc's heap says which they are; the rank's thread at work (its stalls too)
+            if op.buffer in self.heap_keys:  # a step buffer the previous step kept
+                self.heap.free(self.heap_keys.pop(op.buffer))
+            key = self.heap_keys[op.buffer] = f"{op.buffer}#{next(self.heap_n)}"
+            fresh = self.heap.malloc(key, op.size_bytes, op.touch_bytes)
+            pages = self.result.fresh_page_bytes
+            pages[op.phase.value] = pages.get(op.phase.value, 0) + fresh
+            yield from self._on_core(self._stalled(int(self.fresh_ns_per_byte * fresh)))
         elif not platform.caching_allocator:
             # host malloc, every time (the block bookkeeping still gives peaks): priced by
             # size where the profile measured it (heap reuse vs fresh mmapped pages)
@@ -56,9 +66,15 @@ class RankMemory:
         st = self.alloc.stats
         self.result.memory_samples.append((env.now, st.allocated_bytes, st.reserved_bytes))
 
+    def _release(self, block: Block, heap_key: str | None) -> None:
+        self.alloc.free(block)
+        if heap_key is not None:
+            self.heap.free(heap_key)
+
     def _free(self, op: O.Free) -> None:
         block = self.blocks.pop(op.buffer)
         home = self.block_stream.pop(op.buffer)
+        key = self.heap_keys.pop(op.buffer, None) if self.heap is not None else None
         # record_stream: the block returns once every other stream that used it has
         # passed this point (an event recorded on each at free time).
         evs = [self.last_issued[s] for s in self.buffer_streams.pop(op.buffer, ()) if s != home
@@ -66,15 +82,16 @@ class RankMemory:
         if evs:
             left = [len(evs)]
 
-            def one_done(_ev: simpy.Event, block: Block = block, left: list[int] = left) -> None:
+            def one_done(_ev: simpy.Event, block: Block = block, left: list[int] = left,
+                         key: str | None = key) -> None:
                 left[0] -= 1
                 if left[0] == 0:
-                    self.alloc.free(block)
+                    self._release(block, key)
 
             for e in evs:
                 e.callbacks.append(one_done)
         else:
-            self.alloc.free(block)
+            self._release(block, key)
         st = self.alloc.stats
         self.result.memory_samples.append((self.env.now, st.allocated_bytes, st.reserved_bytes))
 

@@ -75,9 +75,13 @@ class RankResult:
     allocator: CachingAllocator | None = None
     flush_times_ns: list[int] = field(default_factory=list)
     memory_samples: list[tuple[int, int, int]] = field(default_factory=list)  # (t, allocated, reserved)
+    # a framework's CPU run: bytes of fresh host pages its allocations wrote, by phase
+    # (the minor page faults a real run counts, times the page size)
+    fresh_page_bytes: dict[str, int] = field(default_factory=dict)
 
     def clear(self) -> None:
         """Forget the warm-up: the measured step starts now."""
+        self.fresh_page_bytes.clear()
         self.records.clear()
         self.host_blocks.clear()
         self.flush_times_ns.clear()

@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--torch-profile", metavar="TRACE_JSON",
                     help="torch.profiler on the last step on rank 0: print the time per phase and the top 30 ops "
                          "by self time, and write the Chrome trace (with input shapes) here")
+    ap.add_argument("--profile-memory", action="store_true",
+                    help="with --torch-profile: record every tensor allocation and free too (profile_memory), each "
+                         "phase in a ds_train.forward / .backward / .step range (bench/host_heap_check.py)")
     ap.add_argument("--mark-modules", action="store_true",
                     help="under commsim record: insert a marker per module hook (which module sent what)")
     ap.add_argument("--comms-raw-json", metavar="FILE",
@@ -111,20 +114,28 @@ def main() -> None:
         ids = torch.randint(0, cfg.vocab, (micro, args.seq), generator=g)
         last = i == args.steps - 1 and dist.get_rank() == 0
         prof = cProfile.Profile() if args.profile and last else None
-        tprof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) \
+        tprof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                       profile_memory=args.profile_memory) \
             if args.torch_profile and last else contextlib.nullcontext()
+
+        def phase(name: str):
+            return torch.profiler.record_function(f"ds_train.{name}") if args.profile_memory else contextlib.nullcontext()
+
         phases, faults = {}, [minor_faults()]
         t = time.perf_counter()
         if prof:
             prof.enable()
         with tprof:
-            loss = engine(ids, labels=ids)
+            with phase("forward"):
+                loss = engine(ids, labels=ids)
             phases["forward"] = time.perf_counter()
             faults.append(minor_faults())
-            engine.backward(loss)
+            with phase("backward"):
+                engine.backward(loss)
             phases["backward"] = time.perf_counter()
             faults.append(minor_faults())
-            engine.step()
+            with phase("step"):
+                engine.step()
             phases["step"] = time.perf_counter()
             faults.append(minor_faults())
         if prof:

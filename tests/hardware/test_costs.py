@@ -383,19 +383,18 @@ def test_a_profile_yields_its_platform(tmp_path):
 
 
 def test_a_frameworks_allocations_cost_only_fresh_pages(tmp_path):
-    """A framework's torch.empty, written by the op that makes it: nothing below glibc's
-    32 MiB mmap ceiling (the heap's pages are reused), the first touch of what is
-    written above it; the executor's zero-filled allocations keep the table."""
+    """A framework's torch.empty, written by the op that makes it, costs the first touch
+    of its fresh pages (the simulator's heap finds them), at the calibrated figure; the
+    executor's zero-filled allocations keep the table; GPUs have neither."""
     points = [[4 << 10, 4.6e-5], [1 << 20, 1e-4], [30 << 20, 3e-3], [34 << 20, 2e-2], [64 << 20, 4e-2]]
     path = tmp_path / "p.json"
     path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": points,
                                                      "first_touch_ns_per_byte": 0.25}}))
     p = load_profile(path)
-    fw = p.run_by_framework()
-    assert [fw.host_malloc_ns(n) for n in (4 << 10, 1 << 20, (32 << 20) - 1)] == [0, 0, 0]
-    assert fw.host_malloc_ns(64 << 20) == (64 << 20) // 4
-    assert fw.host_malloc_ns(64 << 20, touch_bytes=1 << 20) == (1 << 20) // 4  # only what is written
+    assert p.run_by_framework().fresh_page_ns_per_byte() == 0.25
+    assert p.fresh_page_ns_per_byte() is None  # the executor: priced by the table
     assert p.host_malloc_ns(4 << 10) == 46_000 and p.host_malloc_ns(64 << 20) == 40_000_000
     # no first-touch figure: the largest measured size's cost per byte
     path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": points}}))
-    assert load_profile(path).run_by_framework().host_malloc_ns(32 << 20) == int(4e-2 / 2 * 1e9)
+    assert load_profile(path).run_by_framework().fresh_page_ns_per_byte() == pytest.approx(4e-2 / (64 << 20) * 1e9)
+    assert SpecCostModel(cluster_preset("p4d", 2)).fresh_page_ns_per_byte() is None

@@ -38,6 +38,9 @@ class FixedCosts:
     def host_malloc_ns(self, size_bytes, touch_bytes=None):
         return self.malloc_base_ns + int(self.malloc_ns_per_byte * (size_bytes if touch_bytes is None else touch_bytes))
 
+    def fresh_page_ns_per_byte(self):
+        return None
+
     def node_of(self, rank):
         return rank // self.gpus_per_node
 

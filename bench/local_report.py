@@ -1,0 +1,137 @@
+"""What the local validation reads from a row's run and how it reports it: the measured
+step and phases (the executor's trace, or a framework's timings less its warm-up steps),
+the fresh host pages a framework's run faulted beside those its prediction wrote, each
+row's lines and the closing lines. Shared by bench/validate_local.py (which runs the
+rows) and bench/repredict_local.py (which predicts a kept folder's runs again)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from validate_local import Row
+
+    from commsim.api import Prediction
+
+# Steady state only. The executor's first measured step after a single warm-up step is
+# slower than the next ones (first-touch page faults of freshly allocated buffers), so
+# two warm-up steps. Real DeepSpeed records its module trace in steps 0-1 and allocates
+# the optimizer state lazily in its first step(); its step times settle from step 3 on.
+EXECUTOR_WARMUP = 2
+DEEPSPEED_WARMUP = 3
+# FSDP2 initialises lazily in its first forward and AdamW its state in the first step()
+FSDP2_WARMUP = 2
+# the work folder's list of the rows it measured, in the order of its numbered files
+MANIFEST = "rows.json"
+
+
+def median_step_s(trace: Path) -> float:
+    """The median measured step of an executor trace, in seconds."""
+    return statistics.median(json.loads(trace.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
+
+
+def stored_step_s(row: "Row", out: Path) -> float:
+    """The median measured step of a row's run from what the run wrote: the executor's
+    trace, or the framework's timings less its warm-up steps."""
+    if row.runner == "deepspeed" or row.fsdp is not None:
+        warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
+        return statistics.median(json.loads(out.read_text())["step_times_s"][warmup:])
+    return median_step_s(out)
+
+
+# ds_train's and fsdp_train's phase names (its timer's boundaries: forward, backward, engine.step)
+_DS_PHASES = {"forward": "forward", "backward": "backward", "step": "optimizer"}
+
+
+def measured_phases(row: "Row", out: Path, pred_trace) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(predicted, measured) wall time of each phase of the step, and of communication
+    where the run recorded its collectives, in seconds (measured: the median over the
+    measured steps), and the per-op error percentiles (executor runs)."""
+    from commsim.ir.trace import Trace
+    from commsim.report.compare import compare, phase_times
+
+    pred_records = [r for r in pred_trace.records if r.rank == 0 and r.step == 0]
+    predicted = {p: ns / 1e9 for p, ns in phase_times(pred_records).items()}
+    if row.runner == "deepspeed" or row.fsdp is not None:
+        warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
+        obj = json.loads(out.read_text())["phase_times_s"]
+        measured = {_DS_PHASES[k]: statistics.median(v[warmup:]) for k, v in obj.items()}
+        return predicted, measured, {}
+    c = compare(pred_trace, Trace.load(out))
+    predicted["communication"] = c.predicted.comm_ns / 1e9
+    measured = {p: ns / 1e9 for p, ns in c.measured_phase_ns.items()}
+    return predicted, measured, c.percentiles()
+
+
+
+# the simulator's phases as a framework's timer sees them (recompute runs in backward)
+_SIM_PHASES = {"fwd": "forward", "bwd": "backward", "recompute": "backward", "optimizer": "optimizer"}
+
+
+def fresh_pages(row: "Row", out: Path, prediction: "Prediction") -> dict[str, tuple[float, float]]:
+    """A framework's run: each phase's fresh host pages a step, in MiB, as (predicted,
+    measured): what the simulated heap handed its allocations fresh (rank 0) beside the
+    minor page faults the run counted (the median over its measured steps). Empty for
+    the executor's rows and for runs that did not count faults."""
+    if row.runner != "deepspeed" and row.fsdp is None:
+        return {}
+    faults = json.loads(out.read_text()).get("phase_minor_faults")
+    if not faults:
+        return {}
+    warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
+    page = resource.getpagesize()
+    measured = {_DS_PHASES[k]: statistics.median(v[warmup:]) * page / 2**20 for k, v in faults.items() if v[warmup:]}
+    predicted = dict.fromkeys(measured, 0.0)
+    for phase, nbytes in prediction.result.ranks[0].fresh_page_bytes.items():
+        name = _SIM_PHASES.get(phase)
+        if name in predicted:
+            predicted[name] += nbytes / 2**20
+    return {p: (predicted[p], measured[p]) for p in measured}
+
+
+def report_row(row: "Row", preds: list[float], meass: list[float], phase_runs: dict[str, list[tuple[float, float]]],
+               op_pcts: list[dict[str, float]], repeats: int,
+               page_runs: dict[str, list[tuple[float, float]]] | None = None) -> tuple[float, list[float], dict[str, float]]:
+    """Print a row's line, its phases line and (a framework's runs) its fresh pages line;
+    return its error (mean prediction against mean measurement), each run's own error
+    and each phase's error."""
+    pred, meas = statistics.fmean(preds), statistics.fmean(meass)
+    err = (pred - meas) / meas
+    run_errs = [(p - m) / m for p, m in zip(preds, meass)]
+    each = ", ".join(f"{e:+.1%}" for e in run_errs)
+    print(f"{row.name:<34}{row.ranks:>6}{pred:>13.3f}{meas:>12.3f}{err:>+9.1%}"
+          + (f"   ({each})" if repeats > 1 else ""), flush=True)
+    # each phase's mean prediction against its mean measurement, as for the step
+    ph_err = {p: (statistics.fmean(a for a, _ in v) - statistics.fmean(b for _, b in v))
+              / statistics.fmean(b for _, b in v) for p, v in phase_runs.items() if statistics.fmean(b for _, b in v)}
+    ops = [o for o in op_pcts if o]
+    print("    phases: " + ", ".join(f"{p} {e:+.1%}" for p, e in ph_err.items())
+          + (f"; per op: median {statistics.fmean(o['p50'] for o in ops):+.0%}, "
+             f"p90 {statistics.fmean(o['p90'] for o in ops):+.0%}" if ops else ""), flush=True)
+    if page_runs:
+        print("    fresh pages, MiB a step (predicted / measured): " + ", ".join(
+            f"{p} {statistics.fmean(a for a, _ in v):.0f} / {statistics.fmean(b for _, b in v):.0f}"
+            for p, v in page_runs.items()), flush=True)
+    return err, run_errs, ph_err
+
+
+def report_totals(signed: list[float], single_errs: list[float], phase_errs: list[float], phase_rows: int,
+                  repeats: int) -> None:
+    """The closing lines: each run on its own (with repeats), the rows, the phases."""
+    if repeats > 1:
+        print("each run on its own: " + error_summary(single_errs) + f"  runs = {len(single_errs)}")
+    print(error_summary(signed) + f"  rows = {len(signed)}")
+    if phase_errs:
+        print("phases: " + error_summary(phase_errs) + f"  rows = {phase_rows}")
+
+
+def error_summary(signed: list[float]) -> str:
+    """Median and max |error|, and the bias: the mean signed error and how many were low."""
+    mags = [abs(e) for e in signed]
+    low = sum(e < 0 for e in signed)
+    return (f"median |error| = {statistics.median(mags):.1%}  max |error| = {max(mags):.1%}  "
+            f"mean signed error = {statistics.fmean(signed):+.1%} ({low} of {len(signed)} low)")
