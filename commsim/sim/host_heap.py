@@ -23,8 +23,14 @@ glibc 2.26-2.38 ``malloc/malloc.c``) at the grain that decides it:
 So a step whose large temporaries all die together empties the heap's top, glibc trims
 it, and the next step faults the same bytes again, although each is below the mmap
 threshold; a step whose live blocks pin the top reuses its pages. Small requests use the
-same chunks (tcache and fastbins change which small chunk is reused, not which pages are
-fresh). Pure bookkeeping: the rank prices what ``malloc`` returns (``first_touch``).
+same chunks (tcache and fastbins keep small freed chunks out of merges: modelled, they
+changed no replayed step's faults, so they are not). Pure bookkeeping: the rank prices
+the fresh bytes ``malloc`` returns.
+
+What the heap sees is the schedule's allocations. A real process also mallocs Python
+objects and C++ bookkeeping, which sit among the tensors and pin the top; replaying a
+real DeepSpeed step's own tensor allocations (bench/host_heap_check.py) reproduces its
+ZeRO-2 faults to the page, but trims ZeRO-3's forward more often than the run does.
 """
 
 from __future__ import annotations
