@@ -32,8 +32,10 @@ rate-limited with tc (root only), each calibrated over that link.
 Each row also reports the error of each phase of the step as wall time (forward,
 backward with recompute, the optimizer step; boundaries as a training script's timer
 sees them: ``commsim.report.compare.phase_times``) and of the total communication time
-(executor rows), and the per-op median and p90 error; measured figures are the median
-over the measured steps everywhere. Ends with two lines:
+(executor rows), and the per-op median and p90 error; a framework's rows also report
+each phase's fresh host pages a step, the simulated heap's against the minor page
+faults the run counted. Measured figures are the median over the measured steps
+everywhere. Ends with two lines:
 ``median |error| = X%  max |error| = Y%  rows = N`` (step time) and
 ``phases: median |error| = X%  max |error| = Y%  rows = N``. The history of
 grid runs, and what each showed, is in traces/README.md.
