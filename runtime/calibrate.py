@@ -65,7 +65,7 @@ from runtime.calibrate_contention import ContentionMeasurements
 from runtime.calibrate_host import HostMeasurements
 from runtime.calibrate_profile import Measured, device_name, profile_document
 from runtime.kernels import Kernels, PinnedCopies, default_precision, device_of
-from runtime.timing import CudaTimer, HostTimer, latency_bandwidth, per_call
+from runtime.timing import MIN_CALLS, CudaTimer, HostTimer, latency_bandwidth, per_call
 
 class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurements, FrameworkKernelMeasurements):
     """One rank's calibration: the benchmarks, each run on every rank at once with the
@@ -123,12 +123,12 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         """The largest of every rank's ``x``."""
         return self.agree_all([x])[0]
 
-    def _together(self, fn: Callable[[], Any], timer: Any = None) -> float:
+    def _together(self, fn: Callable[[], Any], timer: Any = None, min_calls: int = MIN_CALLS) -> float:
         """Seconds per call of ``fn`` on all ranks at once; the slowest rank's mean counts
         (``runtime.timing.per_call``). Every rank runs the same number of calls (a
         collective inside must match on all ranks)."""
         dist.barrier()
-        return per_call(timer or self.timer, fn, self.min_s, self.agree)
+        return per_call(timer or self.timer, fn, self.min_s, self.agree, min_calls)
 
     # ------------------------------------------------------------ compute
     def _gemm_shapes(self, dtype: torch.dtype) -> list[tuple[int, int, int, int]]:

@@ -58,6 +58,12 @@ STEP_AFTER_S = 0.005
 STEP_CALLS, STEP_CALLS_LARGE = 120, 12
 STEP_CALLS_QUICK, STEP_CALLS_LARGE_QUICK = 24, 6
 LARGE_BYTES = 8 << 20
+# Calls averaged per size at least (after a warm-up call): a 64 MiB call on gloo takes
+# 70-240 ms, so the batch's 0.2 s held 3 of them, and the point moved 72-237 ms between
+# one calibration and the next within an hour (16 MiB: 9-17 ms) while the whole-model
+# all-gather that ends a ZeRO-2 step is one such call (traces/README.md, "The 64 MiB
+# collective point")
+POINT_MIN_CALLS = 10
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,7 @@ class CollectiveMeasurements:
                         group = pg
             for kind in KINDS:
                 pts = [(float(s), self._together(self._collective(kind, s, group, gs.size),  # type: ignore
-                                                 self.comm_timer)) for s in sizes]
+                                                 self.comm_timer, POINT_MIN_CALLS)) for s in sizes]
                 a, bw = latency_bandwidth(pts)
                 fit = out[kind].setdefault(gs.placement, {})[str(gs.size)] = {
                     "latency_ns": int(a * 1e9), "bytes_per_s": bw, "points": [[int(x), y] for x, y in pts],

@@ -51,6 +51,13 @@ def test_per_call_agrees_on_the_batch_and_the_result():
     assert timer.batches == [1, 20]  # 0.2 s / (2 x 5 ms)
     assert agreed == [0.005, pytest.approx(0.004)] and t == pytest.approx(0.008)
     assert len(calls) == 21
+    # a long call: the batch holds at least min_calls (calibrate's large collectives)
+    timer, calls = FakeTimer(0.1, first_s=0.1), []
+    per_call(timer, lambda: calls.append(1), 0.2, lambda x: x, min_calls=10)
+    assert timer.batches == [1, 10]
+    timer = FakeTimer(0.1, first_s=0.1)
+    per_call(timer, lambda: None, 0.2, lambda x: x)
+    assert timer.batches == [1, MIN_CALLS]
 
 
 def test_host_timer_runs_every_call():
