@@ -76,6 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("work", help="a work folder bench/validate_local.py left (its last line names it)")
     ap.add_argument("--row", action="append", default=[], metavar="NAME", help="only this row (repeatable)")
+    ap.add_argument("--host-heap", action="store_true",
+                    help="a framework's tensors through commsim's model of glibc's heap (predict --host-heap)")
     ap.add_argument("--rank-stalls", metavar="PROFILE",
                     help="predict with this profile's rank_stalls in every run's profile (for folders whose "
                          "calibrations did not measure them yet); 'none': with no stalls")
@@ -114,7 +116,7 @@ def main() -> None:
             continue
         cfg_path = work / f"{'fsdp' if row.fsdp is not None else 'ds'}{i}.json"
         runner = "framework" if row.runner == "deepspeed" or row.fsdp is not None else "executor"
-        sc = scenario(row, str(cfg_path), runner=runner)
+        sc = scenario(row, str(cfg_path), runner=runner, host_heap=args.host_heap)
         preds, meass, phase_runs, op_pcts, page_runs = [], [], {}, [], {}
         for k in range(repeats):
             out = work / f"measured{i}{'' if k == 0 else f'.{k + 1}'}.json"

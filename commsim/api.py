@@ -55,6 +55,7 @@ class Scenario:
     jitter: float | None = None
     host_costs: Any = None  # HostCosts overriding the defaults / the profile's measured ones
     extrapolate: bool = False  # let a profile price groups larger than (or placed unlike) those it measured
+    host_heap: bool = False  # a framework's CPU tensors through the model of glibc's heap (SimConfig.host_heap)
     # what runs the schedule on a profile's machine: "framework" (DeepSpeed, FSDP2: the
     # schedule's own host ops are its whole host cost) or "executor" (commsim execute,
     # which also pays its own per-op costs, measured into the profile)
@@ -299,7 +300,7 @@ def predict(sc: Scenario) -> Prediction:
     if sc.jitter is not None and sc.jitter < 0:
         raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
     try:
-        sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter))
+        sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap))
     except ValueError as e:
         raise CommsimInputError(f"--mode {sc.mode}: {e}") from None
     result = simulate(sim)
@@ -335,7 +336,7 @@ def _per_rank_after_flushes(schedule: Schedule, cost, sc: Scenario, info: StepIn
         return sym_result, sym, note
     print(f"commsim: {flushes}; simulating each of the {n} ranks (a flush on one rank stalls every collective "
           "it joins) ...", file=sys.stderr, flush=True)
-    sim = Simulator(schedule, cost, SimConfig(mode="per-rank", seed=sc.seed, jitter=sc.jitter))
+    sim = Simulator(schedule, cost, SimConfig(mode="per-rank", seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap))
     result = simulate(sim)
     note = (f"mode: per-rank because {flushes}: a flush on one rank stalls every collective it joins "
             f"(symmetric step {sym.step_time_s:.3f} s)")
@@ -365,7 +366,7 @@ def scenario_from_args(args: Any) -> Scenario:
         knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
         checkpointing=not args.no_checkpointing, checkpoint_style=args.checkpoint_style, schedule=args.schedule, hw_profile=args.hw_profile,
         mode=args.mode, seed=args.seed, jitter=args.jitter, extrapolate=getattr(args, "extrapolate", False),
-        runner=getattr(args, "runner", "framework"),
+        runner=getattr(args, "runner", "framework"), host_heap=getattr(args, "host_heap", False),
     )
 
 

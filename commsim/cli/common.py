@@ -103,6 +103,10 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    "the host on a CPU (gloo) profile (default), or commsim's executor (commsim execute, to compare with "
                    "its traces), which replays the schedule as a GPU runs it and also pays its own per-op costs, "
                    "measured into the profile by calibrate")
+    p.add_argument("--host-heap", action="store_true",
+                   help="with a CPU --hw-profile and the framework runner: find a tensor's fresh pages with commsim's "
+                   "model of glibc's heap (thresholds, growth, trims) fed the schedule's allocations, instead of "
+                   "glibc's fixed 32 MiB ceiling alone (the default; traces/README.md compares both with real runs)")
     p.add_argument("--extrapolate", action="store_true",
                    help="with --hw-profile: price collectives over more ranks than the profile measured (or placed "
                    "across nodes when it measured one node) from its nearest measured group, with a warning, instead "

@@ -47,8 +47,8 @@ class CostModel(Protocol):
     # an allocation with no cache in front, of which touch_bytes (None: all) get written
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int: ...
     # a framework's tensors on a CPU: what one byte of fresh pages costs at its first
-    # write (the simulator tracks glibc's heap to know which bytes are fresh:
-    # sim.host_heap); None: allocations are priced by size alone (host_malloc_ns)
+    # write (which bytes are fresh is the simulator's to say: sim.host_heap); None:
+    # allocations are priced by size alone (host_malloc_ns)
     def fresh_page_ns_per_byte(self) -> float | None: ...
 
     # interference by measured factors (profiles; a model with gpu_resources derives it

@@ -213,8 +213,9 @@ class HardwareProfile:
         """A framework's allocation (``framework``, on a malloc platform) is a
         ``torch.empty`` that the op making it writes (the generators emit a fill op where
         the framework zeroes one): it costs nothing beyond that op's dispatch but the
-        first write of fresh pages, which the simulator finds by tracking glibc's heap
-        (``sim.host_heap``), at the calibrated first touch (fault, kernel zeroing, and
+        first write of fresh pages, which the simulator finds from glibc's fixed 32 MiB
+        ceiling or, asked to, by tracking glibc's heap (``sim.host_heap``), at the
+        calibrated first touch (fault, kernel zeroing, and
         the unmap or trim that hands the page back) per byte. torch's sqrt into a new
         4 KiB-30 MiB tensor took as long as into an existing one (within 3%), into a new
         34 / 64 MiB one 10.5 / 22.2 ms longer (0.33 ns a byte; bench/framework_alloc.py);

@@ -195,6 +195,16 @@ class HostHeap:
         self.trims += 1
 
 
+def mapped_fresh_bytes(size_bytes: int, touch_bytes: int | None = None) -> int:
+    """glibc's fixed ceiling alone (no heap history): a block under 32 MiB reuses pages
+    the heap already touched, one of 32 MiB or more is mapped afresh and its written
+    part faults. The simulator's default for a framework's tensors: the heap model sees
+    only the schedule's allocations, and so trims more than a real process does."""
+    if size_bytes < MMAP_THRESHOLD_MAX:
+        return 0
+    return size_bytes if touch_bytes is None else min(touch_bytes, size_bytes)
+
+
 # A measured step comes after warm-up steps; glibc's heap settles in two or three (its
 # first step maps what later ones take from the heap, its second grows the heap over it)
 REHEARSED_STEPS = 3

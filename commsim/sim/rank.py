@@ -102,7 +102,7 @@ class RankSim(RankMemory, RankSpeed):
 
     # ------------------------------------------------------------ setup
     def run_setup(self) -> None:
-        if self.fresh_ns_per_byte is not None:  # the heap after the warm-up steps a run had
+        if self.fresh_ns_per_byte is not None and self.sim.config.host_heap:  # after the run's warm-up steps
             self.heap = self.sim.rehearsed_heap(self.rank).clone()
             self.heap_keys = {b: b for b in self.heap.used}
         for op in self.program.setup:

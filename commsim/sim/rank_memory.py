@@ -10,6 +10,7 @@ import simpy
 
 from commsim.ir import ops as O
 from commsim.sim.allocator import Block, OutOfMemory
+from commsim.sim.host_heap import mapped_fresh_bytes
 from commsim.sim.records import HostBlock
 
 
@@ -43,13 +44,17 @@ class RankMemory:
                 yield simpy.AllOf(env, pending)
             yield env.timeout(cost.malloc_base_ns + int(cost.malloc_ns_per_byte * res.new_segment_bytes))
             self.result.host_blocks.append(HostBlock(t0, env.now, "allocator"))
-        elif self.heap is not None:
-            # a framework's torch.empty: only the first write of fresh pages costs, and
-            # glibc's heap says which they are; the rank's thread at work (its stalls too)
-            if op.buffer in self.heap_keys:  # a step buffer the previous step kept
-                self.heap.free(self.heap_keys.pop(op.buffer))
-            key = self.heap_keys[op.buffer] = f"{op.buffer}#{next(self.heap_n)}"
-            fresh = self.heap.malloc(key, op.size_bytes, op.touch_bytes)
+        elif self.fresh_ns_per_byte is not None:
+            # a framework's torch.empty: only the first write of fresh pages costs; glibc's
+            # heap (or its fixed ceiling alone) says which they are; the rank's thread at
+            # work (its stalls too)
+            if self.heap is None:
+                fresh = mapped_fresh_bytes(op.size_bytes, op.touch_bytes)
+            else:
+                if op.buffer in self.heap_keys:  # a step buffer the previous step kept
+                    self.heap.free(self.heap_keys.pop(op.buffer))
+                key = self.heap_keys[op.buffer] = f"{op.buffer}#{next(self.heap_n)}"
+                fresh = self.heap.malloc(key, op.size_bytes, op.touch_bytes)
             pages = self.result.fresh_page_bytes
             pages[op.phase.value] = pages.get(op.phase.value, 0) + fresh
             yield from self._on_core(self._stalled(int(self.fresh_ns_per_byte * fresh)))

@@ -31,6 +31,11 @@ class SimConfig:
     # Each rank's short stalls of its own, as the platform measured them (RankStalls),
     # drawn per kernel and host op in per-rank mode; False: none.
     rank_stalls: bool = True
+    # A framework's CPU tensors: which get fresh pages. False: glibc's fixed ceiling only
+    # (heap sizes reuse touched pages, 32 MiB and up are mapped afresh); True: the rank's
+    # heap as glibc runs it (host_heap.py: thresholds, growth, trims), whose input is the
+    # schedule's allocations alone (see traces/README.md for how each fares).
+    host_heap: bool = False
     # Relative sd of each host op's time, per rank (None: the platform's). Per-rank mode
     # draws it; symmetric mode adds the expected lateness of a collective's slowest member
     # (order statistics, see rank.py).

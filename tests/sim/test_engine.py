@@ -247,10 +247,12 @@ def test_host_malloc_costs_every_allocation():
 
 
 def test_a_frameworks_tensors_pay_only_the_fresh_pages_glibcs_heap_hands_out():
-    """A framework's CPU run (a first-touch price): an allocation costs the fresh pages
-    the rank's glibc heap gives it, the heap warmed up by the step's own allocations.
-    One 16 MiB tensor a step reuses the heap's pages; two freed together leave a top
-    glibc trims, so every step faults them again. Warm-up steps change nothing."""
+    """A framework's CPU run (a first-touch price), with the heap model: an allocation
+    costs the fresh pages the rank's glibc heap gives it, the heap warmed up by the
+    step's own allocations. One 16 MiB tensor a step reuses the heap's pages; two freed
+    together leave a top glibc trims, so every step faults them again. Warm-up steps
+    change nothing. Without the heap model, glibc's fixed ceiling alone: nothing under
+    32 MiB faults, a 40 MiB block's written part does every step."""
     costs = FixedCosts()
     costs.platform = CPU
     costs.fresh_page_ns_per_byte = lambda: 0.001
@@ -260,15 +262,20 @@ def test_a_frameworks_tensors_pay_only_the_fresh_pages_glibcs_heap_hands_out():
         return [(r.op.label, r.end_ns - r.start_ns) for r in res.ranks[0].records if isinstance(r.op, O.Alloc)]
 
     one = Program((), (O.Alloc(O.OpId(1), C, "a", "a", 16 * MiB), O.Free(O.OpId(2), C, "free a", "a")))
-    res = run(Schedule.uniform(1, one), costs=costs)
+    res = run(Schedule.uniform(1, one), costs=costs, host_heap=True)
     assert allocs(res) == [("a", 0)] and res.ranks[0].fresh_page_bytes == {"other": 0}
     two = Program((), (O.Alloc(O.OpId(1), C, "x", "x", 16 * MiB), O.Alloc(O.OpId(2), C, "y", "y", 16 * MiB),
                        O.Free(O.OpId(3), C, "free x", "x"), O.Free(O.OpId(4), C, "free y", "y")))
     for warmup in (0, 2):
-        res = run(Schedule.uniform(1, two), costs=costs, warmup_steps=warmup)
+        res = run(Schedule.uniform(1, two), costs=costs, warmup_steps=warmup, host_heap=True)
         fresh = res.ranks[0].fresh_page_bytes["other"]
         assert 32 * MiB - 256 * 1024 < fresh <= 32 * MiB + 4096  # all but the pad the trim kept
         assert sum(ns for _, ns in allocs(res)) == pytest.approx(fresh * 0.001, abs=2)
+    assert run(Schedule.uniform(1, two), costs=costs).ranks[0].fresh_page_bytes == {"other": 0}
+    big = Program((), (O.Alloc(O.OpId(1), C, "b", "b", 40 * MiB, touch_bytes=MiB), O.Free(O.OpId(2), C, "free b", "b")))
+    for heap in (False, True):  # mapped, the written MiB faults every step
+        res = run(Schedule.uniform(1, big), costs=costs, warmup_steps=2, host_heap=heap)
+        assert res.ranks[0].fresh_page_bytes == {"other": MiB} and allocs(res) == [("b", int(MiB * 0.001))]
     # without a first-touch price the allocation table prices them (the executor's runs)
     costs.fresh_page_ns_per_byte = lambda: None
     assert run(Schedule.uniform(1, one), costs=costs).ranks[0].fresh_page_bytes == {}
