@@ -58,6 +58,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is imported
 
 from commsim.api import Scenario, build_schedule, predict  # noqa: E402
 from commsim.hardware.profile_doc import mean_profile  # noqa: E402
