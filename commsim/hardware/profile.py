@@ -186,7 +186,7 @@ class HardwareProfile:
         ``touch_bytes`` are ever written: above glibc's mmap threshold it is fresh pages
         and pays the first touch of what is written; below it the heap's pages are
         already touched and only the fixed cost remains. (A framework's allocations are
-        priced by the heap they come from instead: ``fresh_page_ns_per_byte``.)"""
+        priced by their fresh pages instead: ``fresh_page_ns_per_byte``.)"""
         partial = touch_bytes is not None and touch_bytes < size_bytes
         pts = self.alloc_points
         if len(pts) < 2:  # the line, over the bytes that get written
@@ -215,8 +215,8 @@ class HardwareProfile:
         the framework zeroes one): it costs nothing beyond that op's dispatch but the
         first write of fresh pages, which the simulator finds from glibc's fixed 32 MiB
         ceiling or, asked to, by tracking glibc's heap (``sim.host_heap``), at the
-        calibrated first touch (fault, kernel zeroing, and
-        the unmap or trim that hands the page back) per byte. torch's sqrt into a new
+        calibrated first touch (fault, kernel zeroing, and the unmap or trim that hands
+        the page back) per byte. torch's sqrt into a new
         4 KiB-30 MiB tensor took as long as into an existing one (within 3%), into a new
         34 / 64 MiB one 10.5 / 22.2 ms longer (0.33 ns a byte; bench/framework_alloc.py);
         the allocation table, zero-filled in a barrier's wake, prices a 4 KiB block at

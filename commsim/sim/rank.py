@@ -57,7 +57,8 @@ class RankSim(RankMemory, RankSpeed):
         self.result = RankResult(rank)
         self.alloc = CachingAllocator(sim.cost.hbm_bytes)
         self.result.allocator = self.alloc
-        # a framework's tensors on a CPU: glibc's heap says which bytes are fresh pages
+        # a framework's tensors on a CPU: their fresh pages' price; which bytes are fresh,
+        # glibc's 32 MiB ceiling says, or with SimConfig.host_heap the modelled heap
         self.fresh_ns_per_byte = sim.cost.fresh_page_ns_per_byte()
         self.heap: HostHeap | None = None
         self.heap_keys: dict[str, str] = {}  # live buffer -> its block's name in the heap
