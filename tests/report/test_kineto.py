@@ -253,8 +253,9 @@ def test_hta_reads_an_executed_gloo_run_as_commsims_busy_and_overlap(tmp_path, o
         assert overlap.loc[rank, "comp_comm_overlap_pctg"] == pytest.approx(
             100 * (1 - view.exposed_comm_ns / view.comm_ns), abs=PP)
         # figures that could be wrong (how much of it overlaps varies run to run on two
-        # shared cores, down to none: the prediction's test holds a fixed overlap)
-        assert temporal.loc[rank, "compute_time_pctg"] > 10 and temporal.loc[rank, "non_compute_time_pctg"] > 10
+        # shared cores, down to none: the prediction's test holds a fixed overlap; the
+        # compute share itself fell to 9.8% of a step once, the suite loading both cores)
+        assert temporal.loc[rank, "compute_time_pctg"] > 5 and temporal.loc[rank, "non_compute_time_pctg"] > 5
 
 
 def test_export_writes_a_stored_trace_and_refuses_a_filled_folder(tmp_path, capsys, overlapping):
