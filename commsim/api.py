@@ -299,6 +299,9 @@ def predict(sc: Scenario) -> Prediction:
         sources += (f"host costs: {host_costs_used(sc, schedule)}",)
     if sc.jitter is not None and sc.jitter < 0:
         raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
+    if sc.host_heap and cost.fresh_page_ns_per_byte() is None:
+        raise CommsimInputError("--host-heap: models a framework's tensors on CPUs; it needs a CPU (gloo) "
+                                "--hw-profile and --runner framework")
     try:
         sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap))
     except ValueError as e:

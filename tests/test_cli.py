@@ -217,6 +217,11 @@ def test_predict_with_a_measured_profile(tmp_path):
             "--hw-profile", str(prof))
     assert re.search(r"^fresh host pages +fwd \d+ MiB, .*optimizer \d+ MiB a step", run(*args).stdout, re.M)
     assert "fresh host pages" not in run(*args, "--runner", "executor").stdout
+    # the heap model instead of glibc's ceiling: a framework's CPU run only
+    assert re.search(r"^fresh host pages +fwd \d+ MiB", run(*args, "--host-heap").stdout, re.M)
+    bad = run(*args, "--runner", "executor", "--host-heap")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "--host-heap: models a framework's tensors on CPUs; it needs a CPU (gloo) --hw-profile and --runner framework")
     out = run("predict", "--hw-profile", str(tmp_path / "missing.json"))
     assert out.returncode == 2 and "missing.json: cannot read" in out.stderr
 

@@ -51,7 +51,7 @@ def report_lines(pred, seed: int) -> list[str]:
                f"{_fmt_bytes(m.peak_reserved_bytes)} of {_fmt_bytes(pred.hbm_bytes)}; allocator retries "
                f"{m.alloc_retries}, cache flushes {m.alloc_flushes}")
     fresh = pred.result.ranks[min(pred.result.ranks)].fresh_page_bytes
-    if fresh:  # a framework's CPU run: what glibc's heap hands out fresh, a step
+    if fresh:  # a framework's CPU run: the host pages its tensors' first writes fault, a step
         out.append(f"{'fresh host pages':<22}" + ", ".join(f"{p} {b / 2**20:.0f} MiB" for p, b in fresh.items())
                    + " a step (rank 0; the first write of each faults)")
     if m.cost_usd_per_step == m.cost_usd_per_step and m.cost_usd_per_step > 0:
