@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local_report import MANIFEST, fresh_pages, measured_phases, report_row, report_totals, stored_step_s  # noqa: E402
-from validate_local import GRID, Row, row_config, scenario  # noqa: E402
+from local_grid import GRID, Row, row_config, scenario  # noqa: E402
 
 from commsim.api import predict  # noqa: E402
 
@@ -134,6 +134,8 @@ def main() -> None:
         if not preds:
             continue
         err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, repeats, page_runs)
+        if (work / f"load{i}.txt").exists():  # what else the machine ran beside the runs (validate_local)
+            print("    " + (work / f"load{i}.txt").read_text().strip(), flush=True)
         signed.append(err)
         single_errs += run_errs
         phase_errs += list(ph_err.values())

@@ -34,8 +34,10 @@ backward with recompute, the optimizer step; boundaries as a training script's t
 sees them: ``commsim.report.compare.phase_times``) and of the total communication time
 (executor rows), and the per-op median and p90 error; a framework's rows also report
 each phase's fresh host pages a step, the simulated heap's against the minor page
-faults the run counted. Measured figures are the median over the measured steps
-everywhere. Ends with two lines:
+faults the run counted; and what else the machine ran beside each run and calibration
+(``bench/machine_load.py``: the share of CPU time other processes used and the share
+the hypervisor stole), so a row measured on a busy machine is not read as a model error.
+Measured figures are the median over the measured steps everywhere. Ends with two lines:
 ``median |error| = X%  max |error| = Y%  rows = N`` (step time) and
 ``phases: median |error| = X%  max |error| = Y%  rows = N``. The history of
 grid runs, and what each showed, is in traces/README.md.
@@ -53,14 +55,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is imported
 
-from commsim.api import Scenario, build_schedule, predict  # noqa: E402
+from commsim.api import build_schedule, predict  # noqa: E402
 from commsim.hardware.profile_doc import mean_profile  # noqa: E402
 from commsim.ir.errors import CommsimInputError  # noqa: E402
 from commsim.ir.serialize import save_schedule  # noqa: E402
@@ -68,78 +70,10 @@ from runtime.calibrate_ds import FIELDS as DS_FIELDS, merge_host_costs  # noqa: 
 from runtime.fsdp2_host_costs import measure_for_profile as measure_fsdp2_hooks  # noqa: E402
 
 from linked_namespaces import LinkedNamespaces  # noqa: E402
+from local_grid import GRID, LINK_RATE, Row, row_config, row_key, scenario  # noqa: E402
+from machine_load import between, load_line, snapshot  # noqa: E402
 from local_report import (DEEPSPEED_WARMUP, EXECUTOR_WARMUP, FSDP2_WARMUP, MANIFEST, fresh_pages,  # noqa: E402
                           measured_phases, median_step_s, report_row, report_totals, stored_step_s)
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    model: str
-    ranks: int
-    zero: dict
-    preset: str = "optimized"
-    micro: int = 4
-    seq: int = 128
-    runner: str = "executor"  # executor | deepspeed | fsdp2 | slow-link | fast-link
-    fsdp: dict | None = None  # FSDP2 settings: the row runs real FSDP2 (fsdp2, or over a link)
-    bf16: bool = False  # DeepSpeed rows: bf16 mixed precision (fp32 master weights and optimizer)
-
-
-GRID = [
-    Row("small z3 opt", "small", 2, {"stage": 3}),
-    Row("small z3 baseline", "small", 2, {"stage": 3}, preset="baseline"),
-    Row("small z2", "small", 2, {"stage": 2}),
-    Row("small z3 small buckets", "small", 2, {"stage": 3, "reduce_bucket_size": 200000,
-                                               "stage3_prefetch_bucket_size": 100000}),
-    Row("small z3 nothing live", "small", 2, {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                              "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}),
-    Row("medium z3 opt", "medium", 2, {"stage": 3}, micro=2),
-    Row("medium z2", "medium", 2, {"stage": 2}, micro=2),
-    Row("small z3 opt x4", "small", 4, {"stage": 3}, micro=2),
-    Row("small z2 x4", "small", 4, {"stage": 2}, micro=2),
-    Row("small z3 baseline x4", "small", 4, {"stage": 3}, preset="baseline", micro=2),
-    # real DeepSpeed (0.19.8): predicted with the preset that models it
-    Row("DS small z3", "small", 2, {"stage": 3}, preset="current", micro=2, runner="deepspeed"),
-    Row("DS small z2", "small", 2, {"stage": 2}, preset="current", micro=2, runner="deepspeed"),
-    Row("DS small z3 nothing live", "small", 2, {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                                 "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
-        preset="current", micro=2, runner="deepspeed"),
-    # bf16 on a CPU: GEMMs, and each class of the non-GEMM kernels, in their own dtype
-    Row("DS small z2 bf16", "small", 2, {"stage": 2}, preset="current", micro=2, runner="deepspeed", bf16=True),
-    # real DeepSpeed on the two other families (not the model whose hooks calibration
-    # times), ZeRO-2 and ZeRO-3 with small buckets: many collectives and bucket flushes
-    Row("DS small-gpt2 z2 small buckets", "small-gpt2", 2, {"stage": 2, "reduce_bucket_size": 500000,
-                                                             "allgather_bucket_size": 500000},
-        preset="current", micro=2, runner="deepspeed"),
-    Row("DS small-gpt2 z3 small buckets", "small-gpt2", 2, {"stage": 3, "reduce_bucket_size": 200000,
-                                                             "stage3_prefetch_bucket_size": 100000},
-        preset="current", micro=2, runner="deepspeed"),
-    Row("DS small-llama z2 small buckets", "small-llama", 2, {"stage": 2, "reduce_bucket_size": 500000,
-                                                               "allgather_bucket_size": 500000},
-        preset="current", micro=2, runner="deepspeed"),
-    Row("DS small-llama z3 small buckets", "small-llama", 2, {"stage": 3, "reduce_bucket_size": 200000,
-                                                               "stage3_prefetch_bucket_size": 100000},
-        preset="current", micro=2, runner="deepspeed"),
-    # real PyTorch FSDP2 (fp32, FSDP2's defaults; checkpointing as the other rows)
-    Row("FSDP2 small", "small", 2, {}, micro=2, runner="fsdp2", fsdp={}),
-    Row("FSDP2 small no reshard", "small", 2, {}, micro=2, runner="fsdp2", fsdp={"reshard_after_forward": False}),
-    # Two ranks in separate network namespaces joined by a veth pair: rate-limited with tc
-    # (the local stand-in for EFA) or not (a fast fabric). Root only; skipped otherwise.
-    Row("small z3 opt slow link", "small", 2, {"stage": 3}, runner="slow-link"),
-    Row("small z3 baseline slow link", "small", 2, {"stage": 3}, preset="baseline", runner="slow-link"),
-    Row("small z2 slow link", "small", 2, {"stage": 2}, runner="slow-link"),
-    Row("small z3 opt fast link", "small", 2, {"stage": 3}, runner="fast-link"),
-    Row("FSDP2 small slow link", "small", 2, {}, micro=2, runner="slow-link", fsdp={}),
-]
-# tc token-bucket rate of each emulated link (None: the veth pair unlimited). 1 Gbit/s
-# makes the small model's ZeRO-3 step communication-bound on this machine.
-LINK_RATE = {"slow-link": "1gbit", "fast-link": None}
-
-
-def row_key(row: Row):
-    """What a row's calibration depends on: its rank count, or its emulated link."""
-    return row.runner if row.runner in LINK_RATE else row.ranks
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: int = 1800) -> str:
@@ -151,24 +85,6 @@ def run(cmd: list[str], env: dict | None = None, timeout: int = 1800) -> str:
 
 def commsim(*args: str, env: dict | None = None) -> str:
     return run([sys.executable, "-m", "commsim.cli", *args], env=env)
-
-
-def ds_config(row: Row) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": row.micro, "zero_optimization": row.zero}
-    return {**cfg, "bf16": {"enabled": True}} if row.bf16 else cfg
-
-
-def row_config(row: Row) -> dict:
-    """The settings file a row's framework reads: FSDP2's, or DeepSpeed's."""
-    return row.fsdp if row.fsdp is not None else ds_config(row)
-
-
-def scenario(row: Row, cfg: str | dict, **kw) -> Scenario:
-    if row.fsdp is not None:
-        return Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, strategy="fsdp2", fsdp_config=cfg,
-                        micro_batch=row.micro, seq=row.seq, **kw)
-    return Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=cfg, seq=row.seq,
-                    preset=row.preset, **kw)
 
 
 def measure_executor(row: Row, sched_path: Path, out: Path, steps: int) -> float:
@@ -318,9 +234,13 @@ def main() -> None:
             return median_step_s(out)
         return measure_executor(row, sched_path, out, steps)
 
+    cal_loads: list = []  # the machine beside each calibration of the current row
+
     def calibrated(row: Row, i: int, name: str) -> Path:
         path = work / f"profile{i}{name}.json"
+        before = snapshot()
         calibrate(row_key(row), path, row_shapes[i])
+        cal_loads.append(between(before, snapshot()))
         with_host_costs(row, path)
         return path
 
@@ -330,6 +250,8 @@ def main() -> None:
     for i, row in enumerate(rows):
         cfg_path = work / f"{'fsdp' if row.fsdp is not None else 'ds'}{i}.json"
         cfg_path.write_text(json.dumps(row_config(row)))
+        cal_loads.clear()
+        run_loads = []
         # cals[k]: the machine's state right before repeat k (and, but for --before-only,
         # cals[k + 1] right after it): calibrate, run, calibrate, run, ..., calibrate
         if args.calibrate_once:  # a copy: a DeepSpeed row's host costs must not reach the next row
@@ -352,7 +274,9 @@ def main() -> None:
         for k in range(args.repeats):
             tag = "" if k == 0 else f".{k + 1}"
             out = work / f"measured{i}{tag}.json"
+            before = snapshot()
             meass.append(measure(row, cfg_path, sched_path, out))
+            run_loads.append(between(before, snapshot()))
             if not args.calibrate_once and (not args.before_only or k + 1 < args.repeats):
                 cals.append(calibrated(row, i, f".after{tag}"))
             profile = cals[k]
@@ -384,6 +308,10 @@ def main() -> None:
                 shutil.copy(profile, dest / f"{stem}.profile.json")
                 save_schedule(schedule, dest / f"{stem}.schedule.json.gz")  # what the trace measured
         row_err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, args.repeats, page_runs)
+        line = load_line(run_loads, cal_loads)
+        if line:
+            print(line, flush=True)
+            (work / f"load{i}.txt").write_text(line.strip() + "\n")  # for bench/repredict_local.py
         results.append((row, statistics.fmean(preds), statistics.fmean(meass), row_err))
         single_errs += run_errs
         phase_errs += list(ph_err.values())

@@ -39,6 +39,9 @@ SKIPPED = {
     "commsim export traces/local-cpu/small_z3_opt.json.gz": "reads the repository's stored traces, from its root",
     "python bench/validate_published.py": "a script of the repository, from its root; about a minute "
         "(tests/test_validate_published.py runs it on some items)",
+    "printf '{\"mp_param_dtype\": \"bf16\", \"mp_reduce_dtype\": \"fp32\", \"hsdp_replicas\": 8}":
+        "its caching allocator flushes, so all 64 ranks are simulated one by one (about 40 s on two cores); "
+        "notebooks/01_efa_vs_infiniband.ipynb predicts the same HSDP setup on both fabrics",
     "printf '{}\\n' > fsdp.json":
         "runs real FSDP2 and DeepSpeed under torchrun (tests/runtime/test_run_records.py does)",
 }

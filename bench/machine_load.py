@@ -1,0 +1,96 @@
+"""What else the machine did while a local validation run measured: the share of its CPU
+time the hypervisor gave to other tenants (``steal`` in /proc/stat) and the share other
+processes used (every busy tick less what the run's own processes used).
+
+A grid on a 2-core VM compares a prediction made from a calibration with a run minutes
+later; work beside the run (a test suite, an editor's indexer, another tenant on the
+same physical cores) slows the run and not the calibration, or the other way round.
+Rows whose runs shared the machine are then read as model errors. validate_local wraps
+each run in two ``snapshot()`` calls and prints ``between()`` for it, so a reader sees
+which rows ran on a busy machine.
+
+``snapshot`` reads the kernel's counters (Linux; elsewhere it returns None and nothing
+is reported); ``between`` and ``parse_proc_stat`` are pure.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CpuTicks:
+    """The first line of /proc/stat, in clock ticks summed over every CPU."""
+    busy: int  # user + nice + system + irq + softirq (the guest columns are inside user / nice)
+    idle: int  # idle + iowait
+    steal: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    ticks: CpuTicks
+    children_cpu_s: float  # CPU time of this process's waited-for descendants (the runs)
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    """Shares of all CPUs' time over an interval, 0..1."""
+    others: float  # busy in processes that were not the run's (nor this script's)
+    steal: float  # taken by the hypervisor for other virtual machines
+
+    def short(self) -> str:
+        return f"{self.others:.0%}/{self.steal:.0%}"
+
+
+def load_line(runs: list[MachineLoad | None], calibrations: list[MachineLoad | None]) -> str | None:
+    """A row's line: each run's and each calibration's others/steal shares (None when
+    nothing was measured)."""
+    def part(loads: list[MachineLoad | None]) -> str:
+        return ", ".join(x.short() if x else "?" for x in loads)
+
+    if not any(runs) and not any(calibrations):
+        return None
+    return f"    machine beside (others/steal): runs {part(runs)}; calibrations {part(calibrations)}"
+
+
+def parse_proc_stat(text: str) -> CpuTicks:
+    """The aggregate ``cpu`` line of /proc/stat (proc(5): user nice system idle iowait
+    irq softirq steal guest guest_nice)."""
+    for line in text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            v = [int(x) for x in fields[1:]] + [0] * 8
+            user, nice, system, idle, iowait, irq, softirq, steal = v[:8]
+            return CpuTicks(busy=user + nice + system + irq + softirq, idle=idle + iowait, steal=steal)
+    raise ValueError("/proc/stat: no aggregate 'cpu' line")
+
+
+def snapshot(stat: Path = Path("/proc/stat")) -> Snapshot | None:
+    """The machine's counters now; None where there is no /proc/stat."""
+    try:
+        ticks = parse_proc_stat(stat.read_text())
+    except OSError:
+        return None
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    # this script's own time counts as the run's: it only waits while a run measures
+    return Snapshot(ticks, ch.ru_utime + ch.ru_stime + me.ru_utime + me.ru_stime, time.monotonic())
+
+
+def between(a: Snapshot | None, b: Snapshot | None, hz: int | None = None) -> MachineLoad | None:
+    """The machine's load between two snapshots (None if either is missing or no time
+    passed). ``hz``: clock ticks a second (the kernel's USER_HZ by default)."""
+    if a is None or b is None:
+        return None
+    hz = hz or os.sysconf("SC_CLK_TCK")
+    total = (b.ticks.busy - a.ticks.busy) + (b.ticks.idle - a.ticks.idle) + (b.ticks.steal - a.ticks.steal)
+    if total <= 0:
+        return None
+    own = (b.children_cpu_s - a.children_cpu_s) * hz
+    others = max(0.0, (b.ticks.busy - a.ticks.busy) - own) / total
+    return MachineLoad(others=min(1.0, others), steal=(b.ticks.steal - a.ticks.steal) / total)

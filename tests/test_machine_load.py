@@ -1,0 +1,69 @@
+"""bench/machine_load.py: what else the machine ran beside a validation run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import machine_load as ml  # noqa: E402
+
+STAT = """cpu  1290589 45950 429651 496113 2902 0 26771 26365 0 0
+cpu0 611126 23833 206967 290106 461 0 13094 13161 0 0
+cpu1 679462 22116 222683 206007 2441 0 13676 13203 0 0
+intr 1 2 3
+"""
+
+
+def test_the_aggregate_line_is_read_by_its_columns():
+    t = ml.parse_proc_stat(STAT)
+    assert t == ml.CpuTicks(busy=1290589 + 45950 + 429651 + 0 + 26771, idle=496113 + 2902, steal=26365)
+
+
+def test_an_old_kernel_without_a_steal_column_reads_zero_steal():
+    assert ml.parse_proc_stat("cpu  10 0 5 100 0 0 1\n") == ml.CpuTicks(busy=16, idle=100, steal=0)
+
+
+def test_a_file_without_the_cpu_line_is_an_error():
+    with pytest.raises(ValueError, match="no aggregate 'cpu' line"):
+        ml.parse_proc_stat("cpu0 1 2 3 4\n")
+
+
+def snap(busy: int, idle: int, steal: int, own_s: float) -> ml.Snapshot:
+    return ml.Snapshot(ml.CpuTicks(busy, idle, steal), own_s, 0.0)
+
+
+def test_others_are_the_busy_ticks_the_run_did_not_use():
+    # 2 CPUs x 10 s at 100 ticks a second: 2000 ticks; the run used 10 s of CPU (1000
+    # ticks) of the 1500 busy ones, the hypervisor took 100
+    a, b = snap(0, 0, 0, 5.0), snap(1500, 400, 100, 15.0)
+    assert ml.between(a, b, hz=100) == ml.MachineLoad(others=0.25, steal=0.05)
+
+
+def test_a_run_that_accounts_for_more_than_the_busy_ticks_leaves_no_others():
+    # rusage and /proc/stat round differently: never a negative share
+    assert ml.between(snap(0, 0, 0, 0.0), snap(100, 100, 0, 1.5), hz=100) == ml.MachineLoad(others=0.0, steal=0.0)
+
+
+def test_nothing_is_reported_without_counters_or_time():
+    assert ml.between(None, snap(1, 1, 0, 0.0)) is None
+    assert ml.between(snap(5, 5, 0, 0.0), snap(5, 5, 0, 0.0), hz=100) is None
+
+
+def test_the_row_line_lists_runs_then_calibrations():
+    line = ml.load_line([ml.MachineLoad(0.02, 0.0), None], [ml.MachineLoad(0.351, 0.012)])
+    assert line == "    machine beside (others/steal): runs 2%/0%, ?; calibrations 35%/1%"
+    assert ml.load_line([None], []) is None
+
+
+def test_this_machine_is_read_between_two_snapshots():
+    a = ml.snapshot()
+    if a is None:
+        pytest.skip("no /proc/stat")
+    assert a.ticks.busy > 0 and a.children_cpu_s >= 0
+    sum(i * i for i in range(300_000))  # some ticks of this process's own
+    load = ml.between(a, ml.snapshot())
+    assert load is None or (0.0 <= load.others <= 1.0 and 0.0 <= load.steal <= 1.0)
