@@ -24,8 +24,8 @@ that changes over tens of minutes stays. Rows marked ``deepspeed`` run real Deep
 timing its steps; their prediction uses host costs that calibrate measured from
 DeepSpeed itself (on a different, tiny model). Rows with FSDP2 settings (``fsdp``) run
 real PyTorch FSDP2 (runtime/examples/fsdp_train.py, gloo) with those settings instead,
-timing its steps, and are predicted with ``--strategy fsdp2`` and commsim's default
-host costs (nothing measures FSDP2's own hook costs yet). Rows marked ``slow-link`` /
+timing its steps, and are predicted with ``--strategy fsdp2`` and FSDP2's hook costs
+timed once at the start, as ``calibrate --fsdp2-host-costs`` times them. Rows marked ``slow-link`` /
 ``fast-link`` run the two ranks in separate network namespaces joined by a veth pair
 rate-limited with tc (root only), each calibrated over that link.
 

@@ -42,10 +42,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the last step on rank 0 (top 25 by time)")
     ap.add_argument("--torch-profile", metavar="TRACE_JSON",
                     help="torch.profiler on the last step on rank 0: print the time per phase and the top 30 ops "
-                         "by self time, and write the Chrome trace (with input shapes) here")
+                         "by self time, and write the Chrome trace (with input shapes; each phase a ds_train.forward / .backward / .step range) here")
     ap.add_argument("--profile-memory", action="store_true",
-                    help="with --torch-profile: record every tensor allocation and free too (profile_memory), each "
-                         "phase in a ds_train.forward / .backward / .step range (bench/host_heap_check.py)")
+                    help="with --torch-profile: record every tensor allocation and free too (profile_memory; "
+                         "bench/host_heap_check.py reads them phase by phase)")
     ap.add_argument("--mark-modules", action="store_true",
                     help="under commsim record: insert a marker per module hook (which module sent what)")
     ap.add_argument("--comms-raw-json", metavar="FILE",
@@ -119,7 +119,9 @@ def main() -> None:
             if args.torch_profile and last else contextlib.nullcontext()
 
         def phase(name: str):
-            return torch.profiler.record_function(f"ds_train.{name}") if args.profile_memory else contextlib.nullcontext()
+            # each phase a range of the profiled step's trace (host_heap_check and phase breakdowns read them)
+            return torch.profiler.record_function(f"ds_train.{name}") if args.torch_profile and last \
+                else contextlib.nullcontext()
 
         phases, faults = {}, [minor_faults()]
         t = time.perf_counter()
