@@ -25,9 +25,9 @@ timing its steps; their prediction uses host costs that calibrate measured from
 DeepSpeed itself (on a different, tiny model). Rows with FSDP2 settings (``fsdp``) run
 real PyTorch FSDP2 (runtime/examples/fsdp_train.py, gloo) with those settings instead,
 timing its steps, and are predicted with ``--strategy fsdp2`` and FSDP2's hook costs
-timed once at the start, as ``calibrate --fsdp2-host-costs`` times them. Rows marked ``slow-link`` /
-``fast-link`` run the two ranks in separate network namespaces joined by a veth pair
-rate-limited with tc (root only), each calibrated over that link.
+timed once at the start, as ``calibrate --fsdp2-host-costs`` times them. Rows marked
+``slow-link`` / ``fast-link`` run the two ranks in separate network namespaces joined by
+a veth pair rate-limited with tc (root only), each calibrated over that link.
 
 Each row also reports the error of each phase of the step as wall time (forward,
 backward with recompute, the optimizer step; boundaries as a training script's timer
