@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import resource
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,6 @@ class CpuTicks:
 class Snapshot:
     ticks: CpuTicks
     children_cpu_s: float  # CPU time of this process's waited-for descendants (the runs)
-    wall_s: float
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ def snapshot(stat: Path = Path("/proc/stat")) -> Snapshot | None:
     ch = resource.getrusage(resource.RUSAGE_CHILDREN)
     me = resource.getrusage(resource.RUSAGE_SELF)
     # this script's own time counts as the run's: it only waits while a run measures
-    return Snapshot(ticks, ch.ru_utime + ch.ru_stime + me.ru_utime + me.ru_stime, time.monotonic())
+    return Snapshot(ticks, ch.ru_utime + ch.ru_stime + me.ru_utime + me.ru_stime)
 
 
 def between(a: Snapshot | None, b: Snapshot | None, hz: int | None = None) -> MachineLoad | None:

@@ -33,7 +33,7 @@ def test_a_file_without_the_cpu_line_is_an_error():
 
 
 def snap(busy: int, idle: int, steal: int, own_s: float) -> ml.Snapshot:
-    return ml.Snapshot(ml.CpuTicks(busy, idle, steal), own_s, 0.0)
+    return ml.Snapshot(ml.CpuTicks(busy, idle, steal), own_s)
 
 
 def test_others_are_the_busy_ticks_the_run_did_not_use():

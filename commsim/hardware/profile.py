@@ -216,11 +216,10 @@ class HardwareProfile:
         first write of fresh pages, which the simulator finds from glibc's fixed 32 MiB
         ceiling or, asked to, by tracking glibc's heap (``sim.host_heap``), at the
         calibrated first touch (fault, kernel zeroing, and the unmap or trim that hands
-        the page back) per byte. torch's sqrt into a new
-        4 KiB-30 MiB tensor took as long as into an existing one (within 3%), into a new
-        34 / 64 MiB one 10.5 / 22.2 ms longer (0.33 ns a byte; bench/framework_alloc.py);
-        the allocation table, zero-filled in a barrier's wake, prices a 4 KiB block at
-        tens of us. Without a first-touch figure, the largest measured size's cost per
+        the page back) per byte. torch's sqrt into a new 4 KiB-30 MiB tensor took as long
+        as into an existing one (within 3%), into a new 34 / 64 MiB one 10.5 / 22.2 ms
+        longer (0.33 ns a byte; bench/framework_alloc.py); the allocation table,
+        zero-filled in a barrier's wake, prices a 4 KiB block at tens of us. Without a first-touch figure, the largest measured size's cost per
         byte. None: the executor's zero-filled allocations, priced by the table."""
         if not self.framework or self.caching_allocator:
             return None
