@@ -29,9 +29,12 @@ def followed_by_compute(program: Program) -> frozenset[O.OpId]:
     op after it in program order is a compute or copy op), not another collective: a
     layer's gather before its GEMMs, a gradient's reduce-scatter amid backward; not the
     optimizer's back-to-back re-gathers of persistent parameters. Host ops, allocations
-    and synchronisations in between do not count: they are short."""
+    and synchronisations in between do not count: they are short. Training repeats the
+    step, so the step's last collective is followed by the next step's first device op
+    (the forward's first kernel, or a collective)."""
     out: set[O.OpId] = set()
     pending: list[O.OpId] = []  # collectives not yet followed by a device op
+    first_device: O.Op | None = None
     for op in program.step:
         if isinstance(op, O.Collective):
             pending.clear()  # followed by a collective
@@ -39,6 +42,10 @@ def followed_by_compute(program: Program) -> frozenset[O.OpId]:
         elif isinstance(op, (O.Compute, O.Copy)):
             out.update(pending)
             pending.clear()
+        if first_device is None and isinstance(op, (O.Collective, O.Compute, O.Copy)):
+            first_device = op
+    if isinstance(first_device, (O.Compute, O.Copy)):
+        out.update(pending)  # wraps around into the next step
     return frozenset(out)
 
 

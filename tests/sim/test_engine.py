@@ -413,7 +413,7 @@ def test_rank_stalls_keep_the_mean_and_every_synchronisation_pays_for_the_rank_t
 def test_which_collectives_compute_follows():
     """The first device op after a collective in program order decides; host work,
     allocations and synchronisations in between do not; the step's last collective is
-    followed by nothing."""
+    followed by the next step's first device op (the step repeats)."""
     from commsim.sim.cpu_rank import followed_by_compute
 
     hook = O.HostWork(O.OpId(3), "hook", O.HostKind.PYTHON, 5)
@@ -421,4 +421,7 @@ def test_which_collectives_compute_follows():
     cp = O.Copy(O.OpId(7), C, "cp7", O.CopyDirection.D2D, 8)
     prog = Program((), (coll(1, 8, (0,)), coll(2, 8, (0,)), hook, wait, comp(5, 10), coll(6, 8, (0,)), cp,
                         coll(8, 8, (0,))))
-    assert followed_by_compute(prog) == {O.OpId(2), O.OpId(6)}
+    assert followed_by_compute(prog) == {O.OpId(2), O.OpId(6)}  # the next step starts with ag1
+    # a step that starts with a kernel: its last collective is followed by it
+    wraps = Program((), (hook, comp(5, 10), coll(6, 8, (0,)), cp, coll(8, 8, (0,)), wait))
+    assert followed_by_compute(wraps) == {O.OpId(6), O.OpId(8)}
