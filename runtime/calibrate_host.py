@@ -83,11 +83,17 @@ class HostMeasurements:
         to 32 MiB) and maps fresh ones above it, so the cost per byte jumps across it;
         sizes on both sides of 32 MiB are measured.
 
-        On CPUs each call is timed in the thread's own CPU time, then scaled to the
-        profile's convention for host work (wall time with every rank of the node busy:
-        one core's worth / the core share, ``Platform.cpu.core_share``). Wall time would
-        do with a core per rank, but with more ranks than cores the ranks leaving the
-        barrier preempt each other: the first size allocated after it waited for a
+        On CPUs each call is timed in wall time with a core per measuring rank (the
+        ranks take turns, as many at once as the node has cores: ``_turns``), then
+        scaled to the profile's convention for host work (wall time with every rank of
+        the node busy: one core's worth / the core share, ``Platform.cpu.core_share``).
+        Not in the thread's CPU time: in a virtual machine a fresh page's fault can be
+        served by the hypervisor (memory the guest freed and reported back to the host
+        is mapped again on its next touch), which no guest clock of the thread counts:
+        64 MiB filled fresh took 17-125 ms of wall time and 20 ms of thread CPU time on
+        a Firecracker VM with free-page reporting (traces/README.md, "Fresh pages in
+        wall time"). Not all ranks at once with more ranks than cores: the ranks leaving
+        the barrier preempt each other, the first size allocated after it waited for a
         core, 4 KiB measured 380-403 us on 4 ranks over 2 cores (50 us on 2)."""
         sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 30 << 20, 34 << 20, 64 << 20]
         if self.quick:
@@ -100,19 +106,21 @@ class HostMeasurements:
         clock, share = self._host_work_clock()
         times: dict[int, list[float]] = {n: [] for n in sizes}
         for r in range(rounds + 1):
-            dist.barrier()
-            make(sizes[0])  # the first allocation after the barrier runs cold: not timed
-            live = []
-            for n in sizes:
-                self.sync()  # GPUs: the device idle, as cudaMalloc waits for it
-                t = clock()
-                live.append(make(n))
-                if r:  # the first round warms the heap up
-                    times[n].append((clock() - t) / share)
-            del live
-            if self.platform.caching_allocator:  # each round's allocations are cudaMalloc calls, not cache hits
-                self.sync()
-                torch.cuda.empty_cache()
+            for mine in self._turns():
+                if not mine:
+                    continue
+                make(sizes[0])  # the first allocation after the barrier runs cold: not timed
+                live = []
+                for n in sizes:
+                    self.sync()  # GPUs: the device idle, as cudaMalloc waits for it
+                    t = clock()
+                    live.append(make(n))
+                    if r:  # the first round warms the heap up
+                        times[n].append((clock() - t) / share)
+                del live
+                if self.platform.caching_allocator:  # each round's allocations are cudaMalloc calls, not cache hits
+                    self.sync()
+                    torch.cuda.empty_cache()
         mean = self.agree_all([statistics.fmean(times[n]) for n in sizes])  # see _together
         pts = [(float(n), float(t)) for n, t in zip(sizes, mean)]
         a, bw = latency_bandwidth(pts)
@@ -120,16 +128,27 @@ class HostMeasurements:
         return a, 1.0 / bw, [[int(x), y] for x, y in pts]
 
     def _host_work_clock(self) -> tuple[Any, float]:
-        """The clock for host work and the core share its readings are divided by. GPUs:
-        the wall clock, share 1 (each rank has its own core; cudaMalloc's time is the
-        host's). CPUs: the thread's CPU time (kernel time of its page faults included;
-        waits for a core excluded), divided by cores / ranks so that the profile holds
-        wall time with every rank busy, as for every other host cost it measures
-        (the simulator takes one core's worth back, ``Simulator.core_work_ns``)."""
+        """The clock for host work and the core share its readings are divided by: the
+        wall clock (a fresh page's fault, kernel and hypervisor time alike, included),
+        read by ranks that have a core each (``_turns``). GPUs: share 1 (each rank has
+        its own core; cudaMalloc's time is the host's). CPUs: divided by cores / ranks
+        so that the profile holds wall time with every rank busy, as for every other
+        host cost it measures (the simulator takes one core's worth back,
+        ``Simulator.core_work_ns``)."""
         if self.platform.caching_allocator:
             return time.perf_counter, 1.0
-        share = min(1.0, cpu_cores() / self.ranks_per_node)
-        return time.thread_time, share
+        return time.perf_counter, min(1.0, cpu_cores() / self.ranks_per_node)
+
+    def _turns(self):
+        """Barriers that let the node's ranks measure host work in turns, as many at
+        once as the node has cores (GPUs and CPUs with a core per rank: all at once):
+        yields, per turn, whether this rank measures in it. Every rank passes every
+        barrier, so the world stays in step."""
+        cores = self.ranks_per_node if self.platform.caching_allocator else max(1, cpu_cores())
+        turns = -(-self.ranks_per_node // cores)
+        for turn in range(turns):
+            dist.barrier()
+            yield (self.rank % self.ranks_per_node) // cores == turn
 
     def allocator_stats(self) -> dict[str, int] | None:
         """GPUs: the caching allocator's statistics after the calibration
@@ -156,20 +175,22 @@ class HostMeasurements:
             return 0.0
         n = 64 << 20
         rounds = 3 if self.quick else 6
-        clock, share = self._host_work_clock()  # thread CPU time: see alloc
+        clock, share = self._host_work_clock()  # wall time, in turns: see alloc
         per_round = []
         for r in range(rounds + 1):
-            dist.barrier()
-            x = torch.empty(n, dtype=torch.uint8, device=self.device)
-            t0 = clock()
-            x.fill_(1)
-            t1 = clock()
-            x.fill_(2)
-            t2 = clock()
-            del x
-            t3 = clock()
-            if r:  # the first round warms the code path up
-                per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n / share)
+            for mine in self._turns():
+                if not mine:
+                    continue
+                x = torch.empty(n, dtype=torch.uint8, device=self.device)
+                t0 = clock()
+                x.fill_(1)
+                t1 = clock()
+                x.fill_(2)
+                t2 = clock()
+                del x
+                t3 = clock()
+                if r:  # the first round warms the code path up
+                    per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n / share)
         mean = self.agree(max(0.0, statistics.fmean(per_round)))  # see _together
         self.log(f"first touch of fresh pages: {mean * 1e9:.3f} ns/B")
         return mean
