@@ -43,7 +43,10 @@ linear by size: glibc's malloc serves blocks below its mmap threshold (dynamic, 
 32 MiB on 64-bit Linux: mallopt(3), M_MMAP_THRESHOLD) from a heap whose pages are
 already touched, so zeroing them costs a memset; larger blocks are fresh mmapped pages
 every time and pay page faults, several times more per byte: one latency-plus-bandwidth
-line through both regimes misprices both (traces/README.md has the figures).
+line through both regimes misprices both (traces/README.md has the figures). Both the
+table and ``first_touch_ns_per_byte`` are wall time: in a virtual machine that reports
+freed memory back to its host, the hypervisor serves part of a fresh page's fault, which
+no guest clock of the thread counts (traces/README.md, "Fresh pages in wall time").
 
 ``cache``: the last-level cache's size and the memory-bound kernel's rate on data in
 it. A compute op's ``reuse_bytes`` (bytes the ops just before it touched) are priced
