@@ -135,9 +135,8 @@ class HostMeasurements:
         so that the profile holds wall time with every rank busy, as for every other
         host cost it measures (the simulator takes one core's worth back,
         ``Simulator.core_work_ns``)."""
-        if self.platform.caching_allocator:
-            return time.perf_counter, 1.0
-        return time.perf_counter, min(1.0, cpu_cores() / self.ranks_per_node)
+        share = 1.0 if self.platform.caching_allocator else min(1.0, cpu_cores() / self.ranks_per_node)
+        return time.perf_counter, share
 
     def _turns(self):
         """Barriers that let the node's ranks measure host work in turns, as many at
