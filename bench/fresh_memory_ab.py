@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local_grid import GRID, Row, row_config  # noqa: E402
-from local_report import DEEPSPEED_WARMUP, FSDP2_WARMUP  # noqa: E402
+from local_report import framework_warmup  # noqa: E402
 
 # glibc's tunables (glibc manual, "Memory Allocation Tunables"): no mmapped blocks, a
 # heap never trimmed, grown 1 GiB at a time
@@ -39,12 +39,12 @@ NO_FRESH_MEMORY = ("glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476
 PAGE_BYTES = 4096
 
 
-def run_summary(timings: dict, warmup: int) -> dict:
-    """A run's median step and phases (ms) and rank 0's faults a phase (MiB), over the
-    steps after ``warmup``."""
+def run_summary(step_s: float, timings: dict, warmup: int) -> dict:
+    """A run's median step (``step_s``, as the grid reads it) and its phases (ms) and rank
+    0's faults a phase (MiB), medians over the steps after ``warmup``."""
     def med(v: list) -> float:
         return statistics.median(v[warmup:])
-    return {"step_ms": med(timings["step_times_s"]) * 1e3,
+    return {"step_ms": step_s * 1e3,
             "phases_ms": {k: med(v) * 1e3 for k, v in timings["phase_times_s"].items()},
             "faults_mib": {k: med(v) * PAGE_BYTES / 2 ** 20 for k, v in timings.get("phase_minor_faults", {}).items()}}
 
@@ -58,8 +58,8 @@ def difference_line(normal: list[dict], no_fresh: list[dict]) -> str:
 
 def framework_row(name: str) -> Row:
     row = next((r for r in GRID if r.name == name), None)
-    rows = [r.name for r in GRID if r.runner in ("deepspeed", "fsdp2")]
-    if row is None or row.name not in rows:
+    if row is None or row.runner not in ("deepspeed", "fsdp2"):
+        rows = [r.name for r in GRID if r.runner in ("deepspeed", "fsdp2")]
         raise ValueError(f"--row {name!r}: not a DeepSpeed or FSDP2 row of the grid; rows: {', '.join(rows)}")
     return row
 
@@ -70,17 +70,14 @@ def run_once(row: Row, cfg: Path, out: Path, steps: int, no_fresh: bool) -> dict
     saved = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"] = NO_FRESH_MEMORY if no_fresh else ""
     try:
-        if row.runner == "deepspeed":
-            vl.measure_deepspeed(row, cfg, out, steps)
-        else:
-            vl.measure_fsdp2(row, cfg, out, steps)
+        measure = vl.measure_deepspeed if row.runner == "deepspeed" else vl.measure_fsdp2
+        step_s = measure(row, cfg, out, steps)
     finally:
         if saved is None:
             os.environ.pop("GLIBC_TUNABLES", None)
         else:
             os.environ["GLIBC_TUNABLES"] = saved
-    warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
-    return run_summary(json.loads(out.read_text()), warmup)
+    return run_summary(step_s, json.loads(out.read_text()), framework_warmup(row))
 
 
 def main() -> None:

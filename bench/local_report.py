@@ -29,6 +29,11 @@ FSDP2_WARMUP = 2
 MANIFEST = "rows.json"
 
 
+def framework_warmup(row: "Row") -> int:
+    """Steps a framework row's run times before its measured ones."""
+    return DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
+
+
 def median_step_s(trace: Path) -> float:
     """The median measured step of an executor trace, in seconds."""
     return statistics.median(json.loads(trace.read_text())["meta"]["extra"]["step_times_ns"]) / 1e9
@@ -38,8 +43,7 @@ def stored_step_s(row: "Row", out: Path) -> float:
     """The median measured step of a row's run from what the run wrote: the executor's
     trace, or the framework's timings less its warm-up steps."""
     if row.runner == "deepspeed" or row.fsdp is not None:
-        warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
-        return statistics.median(json.loads(out.read_text())["step_times_s"][warmup:])
+        return statistics.median(json.loads(out.read_text())["step_times_s"][framework_warmup(row):])
     return median_step_s(out)
 
 
@@ -57,7 +61,7 @@ def measured_phases(row: "Row", out: Path, pred_trace) -> tuple[dict[str, float]
     pred_records = [r for r in pred_trace.records if r.rank == 0 and r.step == 0]
     predicted = {p: ns / 1e9 for p, ns in phase_times(pred_records).items()}
     if row.runner == "deepspeed" or row.fsdp is not None:
-        warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
+        warmup = framework_warmup(row)
         obj = json.loads(out.read_text())["phase_times_s"]
         measured = {_DS_PHASES[k]: statistics.median(v[warmup:]) for k, v in obj.items()}
         return predicted, measured, {}
@@ -82,7 +86,7 @@ def fresh_pages(row: "Row", out: Path, prediction: "Prediction") -> dict[str, tu
     faults = json.loads(out.read_text()).get("phase_minor_faults")
     if not faults:
         return {}
-    warmup = DEEPSPEED_WARMUP if row.runner == "deepspeed" else FSDP2_WARMUP
+    warmup = framework_warmup(row)
     page = resource.getpagesize()
     measured = {_DS_PHASES[k]: statistics.median(v[warmup:]) * page / 2**20 for k, v in faults.items() if v[warmup:]}
     predicted = dict.fromkeys(measured, 0.0)

@@ -219,8 +219,9 @@ class HardwareProfile:
         the page back) per byte. torch's sqrt into a new 4 KiB-30 MiB tensor took as long
         as into an existing one (within 3%), into a new 34 / 64 MiB one 10.5 / 22.2 ms
         longer (0.33 ns a byte; bench/framework_alloc.py); the allocation table,
-        zero-filled in a barrier's wake, prices a 4 KiB block at tens of us. Without a first-touch figure, the largest measured size's cost per
-        byte. None: the executor's zero-filled allocations, priced by the table."""
+        zero-filled in a barrier's wake, prices a 4 KiB block at tens of us. Without a
+        first-touch figure, the largest measured size's cost per byte. None: the
+        executor's zero-filled allocations, priced by the table."""
         if not self.framework or self.caching_allocator:
             return None
         pts = self.alloc_points

@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the last step on rank 0 (top 25 by time)")
     ap.add_argument("--torch-profile", metavar="TRACE_JSON",
                     help="torch.profiler on the last step on rank 0: print the time per phase and the top 30 ops "
-                         "by self time, and write the Chrome trace (with input shapes; each phase a ds_train.forward / .backward / .step range) here")
+                         "by self time, and write the Chrome trace (with input shapes; each phase a "
+                         "ds_train.forward / .backward / .step range) here")
     ap.add_argument("--profile-memory", action="store_true",
                     help="with --torch-profile: record every tensor allocation and free too (profile_memory; "
                          "bench/host_heap_check.py reads them phase by phase)")
