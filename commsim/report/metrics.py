@@ -15,6 +15,8 @@ new segment), or other device work.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -83,10 +85,27 @@ def _kind(op: O.Op) -> str:
     return "other"
 
 
-def _host_window(blocks: list[HostBlock], a: int, b: int, out: list[tuple[int, int, str]]) -> None:
+class _Blocks:
+    """Host blocks sorted by start, with what a window needs to find its own in log time
+    (a step has thousands of windows and blocks: scanning all blocks per window was
+    quadratic)."""
+
+    def __init__(self, host_blocks: list[HostBlock]):
+        self.blocks = sorted(host_blocks, key=lambda h: h.start_ns)
+        self.starts = [hb.start_ns for hb in self.blocks]
+        # running maximum of the ends: every block before the first index whose running
+        # maximum passes a ends at or before a, overlapping blocks or not
+        self.max_ends = list(itertools.accumulate((hb.end_ns for hb in self.blocks), max))
+
+    def within(self, a: int, b: int) -> list[HostBlock]:
+        """The blocks that may overlap [a, b], in start order (a superset: callers clip)."""
+        return self.blocks[bisect.bisect_right(self.max_ends, a):bisect.bisect_left(self.starts, b)]
+
+
+def _host_window(blocks: _Blocks, a: int, b: int, out: list[tuple[int, int, str]]) -> None:
     """[a, b] as intervals: the host's blocked reasons where it was blocked, 'host' elsewhere."""
     cur = a
-    for hb in blocks:
+    for hb in blocks.within(a, b):
         lo, hi = max(a, hb.start_ns), min(b, hb.end_ns)
         if hi <= lo:
             continue
@@ -104,7 +123,7 @@ def stall_intervals(records: list[OpRecord], host_blocks: list[HostBlock], step_
     out: list[tuple[int, int, str]] = []
     by_id = {r.op.id: r for r in records}
     comp = sorted((r for r in records if r.stream == COMPUTE_STREAM), key=lambda r: r.start_ns)
-    blocks = sorted(host_blocks, key=lambda h: h.start_ns)
+    blocks = _Blocks(host_blocks)
     cursor = 0
     for r in comp:
         gap = r.start_ns - cursor

@@ -31,8 +31,8 @@ def test_the_window_holds_forward_and_backward_and_the_routines_inside_them():
     rec = Recorder()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     timed = rec.wrap("fetch", lambda: _spin(200_000), None)
-    for m in model:  # a timed routine and 300 us of untimed Python per module, as hooks
-        m.register_forward_pre_hook(lambda mod, args: (timed(), _spin(300_000), None)[-1])
+    for m in model:  # a timed routine and 1 ms of untimed Python per module, as hooks
+        m.register_forward_pre_hook(lambda mod, args: (timed(), _spin(1_000_000), None)[-1])
     x = torch.randn(2, 4)
 
     def step():
@@ -44,8 +44,10 @@ def test_the_window_holds_forward_and_backward_and_the_routines_inside_them():
     window = ForwardBackwardWindow(torch, model, rec)
     window.run(step)
     assert window.calls == {"fetch": 2, "release": 0}
-    assert 400_000 <= window.routines_ns < 600_000
-    assert window.elapsed_ns - window.routines_ns >= 600_000  # the untimed hook Python is left
+    # Two 200 us routines; the bound leaves room for a slow machine's noise (a hypervisor's
+    # stolen time counts as thread time) but not for the 2 ms of untimed hook Python.
+    assert 400_000 <= window.routines_ns < 1_400_000
+    assert window.elapsed_ns - window.routines_ns >= 2_000_000  # the untimed hook Python is left
     assert torch.Tensor.backward.__name__ == "backward" and "forward" not in vars(model)  # restored
 
 
