@@ -101,7 +101,8 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
             self.timer = self.comm_timer = HostTimer()
         self._shape_kernels: dict[str, Kernels] = {}
         self._shape_times: dict[tuple[str, int, int, int, int], list[float]] = {}
-        self.min_s = 0.05 if quick else 0.2
+        # quick (tests, a CPU rehearsal): figures of the right form and rough size
+        self.min_s = 0.025 if quick else 0.2
         self.quick = quick
         self.log = log if rank == 0 else (lambda _m: None)
 

@@ -56,7 +56,7 @@ STEP_AFTER_S = 0.005
 # Calls per size: the stalls are rare and long, so the mean needs many calls; the large
 # sizes' calls are long and their stalls a small part of them.
 STEP_CALLS, STEP_CALLS_LARGE = 120, 12
-STEP_CALLS_QUICK, STEP_CALLS_LARGE_QUICK = 24, 6
+STEP_CALLS_QUICK, STEP_CALLS_LARGE_QUICK = 12, 4
 LARGE_BYTES = 8 << 20
 # Calls averaged per size at least (after a warm-up call): a 64 MiB call on gloo takes
 # 70-240 ms, so the batch's 0.2 s held 3 of them, and the point moved 72-237 ms between

@@ -48,7 +48,7 @@ def rank_noise(cal: Calibrator, cores: int) -> tuple[dict[str, float] | None, di
     if not cal.platform.inline_kernels or cal.ranks_per_node > cores or cal.world < 2:
         return None, None
     bin_ns = 10_000_000
-    span_ns = 2_000_000_000 if cal.quick else 4_000_000_000
+    span_ns = 1_000_000_000 if cal.quick else 4_000_000_000
     op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * 256 ** 3, 0, 0, O.GemmShape(256, 256, 256, 1))
     for _ in range(10):
         cal.kernels.run(op)

@@ -12,28 +12,24 @@ completion from the work's future), the training phase
 (``bwd`` inside autograd's backward, ``fwd`` otherwise, ``step`` inside an optimizer
 step) and the step index (counted by a global optimizer-step hook).
 
-``run_recorded(cmd, out_dir)`` (what ``commsim record -- CMD`` runs) puts a
-``sitecustomize`` on the child's ``PYTHONPATH`` that calls ``install_from_env()``; each
-rank writes ``rank<N>.json`` (commsim's trace schema, source "recorded") into
-``COMMSIM_RECORD_DIR`` at exit.
+``runtime.record_launch.run_recorded(cmd, out_dir)`` (what ``commsim record -- CMD``
+runs) puts a ``sitecustomize`` on the child's ``PYTHONPATH`` that calls
+``install_from_env()``; each rank writes ``rank<N>.json`` (commsim's trace schema, source
+"recorded") into ``COMMSIM_RECORD_DIR`` at exit.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from commsim.ir.errors import CommsimInputError
 from commsim.ir.trace import TraceMeta, TraceRecord, TraceSource, make_trace
 
 # method -> (kind, which positional argument holds the tensors that define S)
@@ -213,36 +209,3 @@ def write(out_dir: str) -> None:
         return
     os.makedirs(out_dir, exist_ok=True)
     to_trace(rec).save(os.path.join(out_dir, f"rank{rec.rank or 0}.json"))
-
-
-_SITECUSTOMIZE = """# written by commsim record: wrap torch.distributed.ProcessGroup before the framework loads
-import runtime.record as _commsim_record
-_commsim_record.install_from_env()
-"""
-
-
-def run_recorded(cmd: list[str], out_dir: str | Path) -> int:
-    """Run ``cmd`` (a training command, under torchrun or not) with every process's
-    collectives recorded into ``out_dir`` (created; it must hold no recording yet);
-    returns the command's exit status."""
-    out = Path(out_dir)
-    if not cmd:
-        raise CommsimInputError("no command to record: give it after --, e.g. "
-                                "commsim record -o rec -- torchrun --nproc-per-node 2 train.py")
-    if out.exists() and any(out.glob("rank*.json")):
-        raise CommsimInputError(f"{out}: already holds recorded traces (rank*.json); choose an empty folder")
-    created = not out.exists()
-    out.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="commsim-record-") as hook_dir:
-        Path(hook_dir, "sitecustomize.py").write_text(_SITECUSTOMIZE)
-        env = dict(os.environ)
-        # the repository root (so `runtime` imports even when commsim is not installed)
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([hook_dir, root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        env["COMMSIM_RECORD_DIR"] = str(out.resolve())
-        try:
-            return subprocess.run(cmd, env=env).returncode
-        except FileNotFoundError:
-            if created:
-                out.rmdir()
-            raise CommsimInputError(f"command not found: {cmd[0]}") from None

@@ -123,7 +123,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     check_output_folder("-o", args.output)
     from commsim.ir.trace import Trace
     from commsim.report.collectives import describe_recording
-    from runtime.record import run_recorded
+    from runtime.record_launch import run_recorded
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":

@@ -134,10 +134,11 @@ def test_profiler_trace_steps_phases_and_ops(fsdp):
         for ours, theirs in (("forward", "forward"), ("backward", "backward"), ("optimizer", "step")):
             diff = abs(phases[ours] / 1e9 - script["phase_times_s"][theirs][n])
             # a scheduler slice (two ranks and gloo's threads on two cores) can land in
-            # the statements between the two timers' boundaries: 1.7, 2.5 and 5.1 ms seen
-            # (this VM's slice when oversubscribed: about 4 ms, as calibrate measures it);
-            # the exact check is the better step's, below
-            assert diff < 0.008, (ours, n, phases, script)
+            # the statements between the two timers' boundaries: 1.7, 2.5, 5.1 and (a
+            # loaded suite run) 8.6 ms seen, this VM's slice when oversubscribed being
+            # about 4 ms as calibrate measures it; so a loose bound here, and the exact
+            # check is the better step's, below
+            assert diff < 0.02, (ours, n, phases, script)
             phase_diffs.setdefault(ours, []).append(diff)
         compute = [r for r in recs if r.stream == "compute"]
         # forward: each nn.Linear once (12 in the layers, 2 in the LM head) and the
