@@ -9,7 +9,11 @@ that row reports OOM, which is the right prediction, after simulating until it f
     python bench/sim_speed.py --quick         # 8 and 64 GPUs only
 
 Wall time covers the simulation (warm-up step + measured step) only; generating the
-schedule is reported separately.
+schedule is reported separately. A second table times whole predictions as
+`commsim predict` makes them (schedule, simulation, metrics) of the seed scenario
+(roberta-10b, 8 p4d nodes, EFA) for each preset: the metrics walk every idle window of
+the compute stream against the host's blocked intervals, which the baseline preset has
+thousands of.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from commsim.api import Scenario, build_schedule
+from commsim.api import Scenario, build_schedule, predict
 from commsim.hardware.costs import SpecCostModel
 from commsim.hardware.specs import cluster_preset
 from commsim.sim.engine import SimConfig, Simulator
@@ -54,6 +58,12 @@ def main() -> None:
             step = "OOM" if res.oom else f"{res.step_time_ns / 1e9:.3f}"
             print(f"{gpus:>6} {mode:<10} {gen_s:>7.2f} {sim_s:>8.2f} {ops:>11,} {ops / sim_s if ops else 0:>10,.0f} {step:>8}",
                   flush=True)
+    print(f"\n{'preset':<10} {'predict s':>9} {'step s':>8}   (roberta-10b, 8 p4d nodes, EFA: schedule + simulation + "
+          "metrics)", flush=True)
+    for preset in ("optimized", "baseline", "current"):
+        t = time.perf_counter()
+        m = predict(Scenario(model="roberta-10b", nodes=8, net="efa", preset=preset)).metrics
+        print(f"{preset:<10} {time.perf_counter() - t:>9.2f} {m.step_time_s:>8.3f}", flush=True)
 
 
 if __name__ == "__main__":
