@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("work", help="a work folder bench/validate_local.py left (its last line names it)")
     ap.add_argument("--row", action="append", default=[], metavar="NAME", help="only this row (repeatable)")
     ap.add_argument("--host-heap", action="store_true",
-                    help="a framework's tensors through commsim's model of glibc's heap (predict --host-heap)")
+                    help="the DeepSpeed and FSDP2 rows' tensors through commsim's model of glibc's heap (predict "
+                         "--host-heap); the executor's rows as they are")
     ap.add_argument("--rank-stalls", metavar="PROFILE",
                     help="predict with this profile's rank_stalls in every run's profile (for folders whose "
                          "calibrations did not measure them yet); 'none': with no stalls")
@@ -116,7 +117,8 @@ def main() -> None:
             continue
         cfg_path = work / f"{'fsdp' if row.fsdp is not None else 'ds'}{i}.json"
         runner = "framework" if row.runner == "deepspeed" or row.fsdp is not None else "executor"
-        sc = scenario(row, str(cfg_path), runner=runner, host_heap=args.host_heap)
+        # the heap model is of a framework's tensors: the executor's rows keep their own pricing
+        sc = scenario(row, str(cfg_path), runner=runner, host_heap=args.host_heap and runner == "framework")
         preds, meass, phase_runs, op_pcts, page_runs = [], [], {}, [], {}
         for k in range(repeats):
             out = work / f"measured{i}{'' if k == 0 else f'.{k + 1}'}.json"

@@ -79,3 +79,31 @@ def test_folders_it_cannot_read(tmp_path):
     (work / "rows.json").unlink()  # no manifest: ds0.json is not the grid's first row
     out = run(str(work))
     assert out.returncode != 0 and "ds0.json is not the grid's row 0 ('small z3 opt')" in out.stderr
+
+
+def test_the_heap_model_reaches_the_framework_rows_only(tmp_path):
+    """--host-heap on a folder with an executor row: that row is predicted as it is (the
+    heap model is of a framework's tensors, and predict refuses it for the executor)."""
+    import gzip
+
+    work = ds_folder(tmp_path, 0.8)
+    for name in ("ds0.json", "profile0.json", "profile0.mean.json", "measured0.json"):
+        (work / name).rename(work / name.replace("0", "1"))
+    (work / "rows.json").write_text(json.dumps({"rows": ["small z2", "DS small z2"], "repeats": 1,
+                                                "calibrate_once": False, "before_only": False}))
+    (work / "measured0.json").write_bytes(gzip.decompress((ROOT / "traces" / "local-cpu" / "small_z2.json.gz")
+                                                          .read_bytes()))
+    shutil.copy(PROFILE, work / "profile0.json")
+    shutil.copy(PROFILE, work / "profile0.mean.json")
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from local_grid import GRID, row_config
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    (work / "ds0.json").write_text(json.dumps(row_config(next(r for r in GRID if r.name == "small z2"))))
+    plain, heap = run(str(work)), run(str(work), "--host-heap")
+    assert plain.returncode == 0 and heap.returncode == 0, plain.stderr + heap.stderr
+    lines = {k: {ln[:34].strip(): ln.split() for ln in o.stdout.splitlines() if ln.startswith(("small z2", "DS small"))}
+             for k, o in (("plain", plain), ("heap", heap))}
+    assert set(lines["plain"]) == set(lines["heap"]) == {"small z2", "DS small z2"}
+    assert lines["plain"]["small z2"] == lines["heap"]["small z2"]  # the executor's row as it was
