@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -36,7 +37,6 @@ from local_report import framework_warmup  # noqa: E402
 # heap never trimmed, grown 1 GiB at a time
 NO_FRESH_MEMORY = ("glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736:"
                    "glibc.malloc.top_pad=1073741824")
-PAGE_BYTES = 4096
 
 
 def run_summary(step_s: float, timings: dict, warmup: int) -> dict:
@@ -44,9 +44,10 @@ def run_summary(step_s: float, timings: dict, warmup: int) -> dict:
     0's faults a phase (MiB), medians over the steps after ``warmup``."""
     def med(v: list) -> float:
         return statistics.median(v[warmup:])
+    page = resource.getpagesize()  # a minor fault maps one page (as bench/local_report.py counts them)
     return {"step_ms": step_s * 1e3,
             "phases_ms": {k: med(v) * 1e3 for k, v in timings["phase_times_s"].items()},
-            "faults_mib": {k: med(v) * PAGE_BYTES / 2 ** 20 for k, v in timings.get("phase_minor_faults", {}).items()}}
+            "faults_mib": {k: med(v) * page / 2 ** 20 for k, v in timings.get("phase_minor_faults", {}).items()}}
 
 
 def difference_line(normal: list[dict], no_fresh: list[dict]) -> str:
