@@ -18,8 +18,10 @@ step against the plain model's (what DeepSpeed adds to the thread), each routine
 and wall time and calls a step (inclusive: a routine's time holds the routines it calls),
 and, for the routines called at the same sites every step, the sum over sites of each site's
 minimum, median and mean over steps (calibrate times a routine as its minimum over steps;
-a step pays its mean). With ``--profile``, the row's prediction from that profile: the host
-ops a step by phase and kind, to set beside the measured routines. Figures from this machine
+a step pays its mean). Every module call is timed too, in both runs (``torch.nn.Module``'s
+``__call__``): per module class the exclusive thread time a step (hooks included, children
+left out) and what DeepSpeed adds a call. With ``--profile``, the row's prediction from that
+profile: the host ops a step by phase and kind, to set beside the measured routines. Figures from this machine
 are in ``traces/README.md`` ("DeepSpeed's routines inside a real step").
 """
 
@@ -154,6 +156,53 @@ def _wrap(events: list, module: str, cls: str | None, attr: str, label: str) -> 
     setattr(owner, attr, timed)
 
 
+def _time_modules(modules: dict) -> None:
+    """Every module call's exclusive thread time (its own, hooks included, less its
+    children's), summed per (step, class) into ``modules``. A step begins at each call
+    of the first class called (the root: DeepSpeed's engine, or the plain model);
+    recompute's calls count in the step whose backward runs them."""
+    import time
+
+    import torch
+
+    call, stack, root, step = torch.nn.Module.__call__, [], [], [-1]
+
+    def timed(self, *a, **k):
+        cls = type(self).__name__
+        if not root:
+            root.append(cls)
+        if cls == root[0] and not stack:
+            step[0] += 1
+        t0 = time.thread_time()
+        stack.append(0.0)
+        try:
+            return call(self, *a, **k)
+        finally:
+            dt = time.thread_time() - t0
+            children = stack.pop()
+            if stack:
+                stack[-1] += dt
+            acc = modules.setdefault(f"{step[0]} {cls}", [0.0, 0])
+            acc[0] += dt - children
+            acc[1] += 1
+
+    torch.nn.Module.__call__ = timed
+
+
+def module_table(modules: dict, first: int) -> dict[str, tuple[float, float]]:
+    """Per module class: (exclusive thread ms, calls) a step, means over steps ``first``
+    on (the steps a run recorded)."""
+    steps = {int(k.split(" ", 1)[0]) for k in modules}
+    kept = [s for s in steps if s >= first]
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for k, (t, n) in modules.items():
+        s, cls = k.split(" ", 1)
+        if int(s) >= first:
+            out[cls][0] += t * 1e3 / len(kept)
+            out[cls][1] += n / len(kept)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 def worker(out: Path, train_args: list[str]) -> None:
     """One rank: ds_train with the routines wrapped; its events to ``out``/rank<r>.json."""
     import atexit
@@ -161,10 +210,13 @@ def worker(out: Path, train_args: list[str]) -> None:
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     events: list = []
+    modules: dict = {}
     for spec in ROUTINES:
         _wrap(events, *spec)
+    _time_modules(modules)
     rank = os.environ.get("RANK", "0")
     atexit.register(lambda: (out / f"rank{rank}.json").write_text(json.dumps(events)))
+    atexit.register(lambda: (out / f"rank{rank}.modules.json").write_text(json.dumps(modules)))
     sys.argv = ["ds_train", *train_args]
     runpy.run_module("runtime.examples.ds_train", run_name="__main__")
 
@@ -180,6 +232,8 @@ def plain(out: Path, model: str, micro: int, seq: int, steps: int) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    modules: dict = {}
+    _time_modules(modules)
     cfg = resolve_model(model)
     m = build_model(cfg)
     m.gradient_checkpointing_enable(use_reentrant=True)  # ds_train's default
@@ -196,6 +250,7 @@ def plain(out: Path, model: str, micro: int, seq: int, steps: int) -> None:
         m.zero_grad(set_to_none=True)
         events += [("engine.forward", t0, t1, c1 - c0, 0), ("engine.backward", t1, t2, c2 - c1, 0)]
     out.write_text(json.dumps(events))
+    out.with_suffix(".modules.json").write_text(json.dumps(modules))
 
 
 def deepspeed_row(name: str) -> Row:
@@ -206,8 +261,9 @@ def deepspeed_row(name: str) -> Row:
     return row
 
 
-def run_row(row: Row, work: Path, steps: int) -> tuple[list, list]:
-    """The row for real (wrapped) and its model plain; rank 0's events and plain run 0's."""
+def run_row(row: Row, work: Path, steps: int) -> tuple[list, list, dict, dict]:
+    """The row for real (wrapped) and its model plain: rank 0's events and plain run 0's,
+    and their module times."""
     cfg = work / "ds.json"
     cfg.write_text(json.dumps(row_config(row)))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
@@ -223,7 +279,8 @@ def run_row(row: Row, work: Path, steps: int) -> tuple[list, list]:
     for p in procs:
         if p.wait() != 0:
             raise RuntimeError(f"the plain model failed: {p.stderr.read().decode()[-2000:]}")
-    return json.loads((work / "rank0.json").read_text()), json.loads((work / "plain0.json").read_text())
+    read = lambda name: json.loads((work / name).read_text())  # noqa: E731
+    return read("rank0.json"), read("plain0.json"), read("rank0.modules.json"), read("plain0.modules.json")
 
 
 def predicted_host(row: Row, cfg: Path, profile: str) -> dict[str, dict[str, tuple[float, int]]]:
@@ -246,7 +303,8 @@ def predicted_host(row: Row, cfg: Path, profile: str) -> dict[str, dict[str, tup
     return {ph: {k: (v[0], v[1]) for k, v in kinds.items()} for ph, kinds in out.items()}
 
 
-def report(row: Row, events: list, plain_events: list, first: int, predicted: dict | None) -> list[str]:
+def report(row: Row, events: list, plain_events: list, first: int, predicted: dict | None,
+           modules: dict | None = None, plain_modules: dict | None = None) -> list[str]:
     table = routine_table(events, first)
     plain_tab = routine_table(plain_events, first)
     lines = [f"{row.name}: {row.ranks} ranks, rank 0, steps after the first {first}",
@@ -269,6 +327,14 @@ def report(row: Row, events: list, plain_events: list, first: int, predicted: di
         if s is not None:
             lines.append(f"  {lab:<32}{s[0]:>8.2f} /{s[1]:>8.2f} /{s[2]:>8.2f}  (mean / min {s[2] / s[0]:.2f})"
                          if s[0] > 0 else f"  {lab:<32}{s[0]:>8.2f} /{s[1]:>8.2f} /{s[2]:>8.2f}")
+    if modules is not None and plain_modules is not None:
+        mine, plain_mods = module_table(modules, first), module_table(plain_modules, first)
+        lines.append("module calls (forward and recompute), exclusive thread ms a step (hooks included): DeepSpeed / "
+                     "plain, calls, what DeepSpeed adds a call")
+        for cls, (t, n) in sorted(mine.items(), key=lambda kv: -(kv[1][0] - plain_mods.get(kv[0], (0.0, 0))[0])):
+            p = plain_mods.get(cls)
+            lines.append(f"  {cls:<32}{t:>9.2f} /" + (f"{p[0]:>9.2f}{n:>8.1f}{1e3 * (t - p[0]) / n:>+10.0f} us"
+                                                       if p else f"{'':>9}{n:>8.1f}"))
     if predicted is not None:
         lines.append("predicted host ops a step (rank 0): ms, ops, per phase and kind")
         for ph in ("forward", "backward", "step"):
@@ -301,9 +367,9 @@ def main() -> None:
     if args.profile and not Path(args.profile).is_file():
         ap.error(f"--profile {args.profile}: no such file")
     work = Path(tempfile.mkdtemp(prefix="commsim-ds-routines-"))
-    events, plain_events = run_row(row, work, args.steps + DEEPSPEED_WARMUP)
+    events, plain_events, modules, plain_modules = run_row(row, work, args.steps + DEEPSPEED_WARMUP)
     predicted = predicted_host(row, work / "ds.json", args.profile) if args.profile else None
-    print("\n".join(report(row, events, plain_events, DEEPSPEED_WARMUP, predicted)))
+    print("\n".join(report(row, events, plain_events, DEEPSPEED_WARMUP, predicted, modules, plain_modules)))
     print(f"(events in {work})")
 
 

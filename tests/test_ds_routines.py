@@ -67,3 +67,36 @@ def test_only_deepspeed_rows():
     out = subprocess.run([sys.executable, str(Path(dr.__file__)), "--row", "small z2"], capture_output=True,
                          text=True)
     assert out.returncode == 2 and "--row 'small z2': not a DeepSpeed row" in out.stderr
+
+
+def test_module_calls_per_class_per_step_after_the_warm_up():
+    modules = {"0 Linear": [9.0, 4], "1 Linear": [0.004, 4], "2 Linear": [0.006, 4], "1 Dropout": [0.001, 2],
+               "2 Dropout": [0.003, 2]}
+    t = dr.module_table(modules, first=1)
+    assert t["Linear"] == pytest.approx((5.0, 4.0)) and t["Dropout"] == pytest.approx((2.0, 2.0))
+    plain = {"1 Linear": [0.002, 4], "2 Linear": [0.002, 4], "1 Dropout": [0.0, 2], "2 Dropout": [0.0, 2]}
+    row = dr.deepspeed_row("DS small z3")
+    lines = dr.report(row, EVENTS, [], 1, None, modules, plain)
+    i = lines.index("module calls (forward and recompute), exclusive thread ms a step (hooks included): "
+                    "DeepSpeed / plain, calls, what DeepSpeed adds a call")
+    # sorted by what DeepSpeed adds a step: Linear 3 ms (750 us a call), Dropout 2 ms (1000 us a call)
+    assert lines[i + 1] == f"  {'Linear':<32}{5.0:>9.2f} /{2.0:>9.2f}{4.0:>8.1f}{750:>+10.0f} us"
+    assert lines[i + 2] == f"  {'Dropout':<32}{2.0:>9.2f} /{0.0:>9.2f}{2.0:>8.1f}{1000:>+10.0f} us"
+
+
+def test_module_timing_is_exclusive_and_counts_steps_at_the_root():
+    torch = pytest.importorskip("torch")
+    call = torch.nn.Module.__call__
+    modules: dict = {}
+    try:
+        dr._time_modules(modules)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        for _ in range(3):
+            net(torch.zeros(2, 4))
+            net[1](torch.zeros(2))  # a child alone, outside a root call: the same step
+    finally:
+        torch.nn.Module.__call__ = call
+    assert {k: v[1] for k, v in modules.items()} == {f"{s} {c}": n for s in range(3)
+                                                     for c, n in (("Sequential", 1), ("Linear", 1), ("ReLU", 2))}
+    # the root's own time leaves out its children's
+    assert all(v[0] >= 0 for v in modules.values())
