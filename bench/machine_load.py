@@ -9,6 +9,14 @@ Rows whose runs shared the machine are then read as model errors. validate_local
 each run in two ``snapshot()`` calls and prints ``between()`` for it, so a reader sees
 which rows ran on a busy machine.
 
+In a virtual machine whose balloon reports freed memory to the host (Linux's page
+reporting: /sys/module/page_reporting), the memory reported while a run measured is read
+too: a reported page is unmapped by the host, so a process that is handed it later faults
+it in through the hypervisor (2-3 ns a byte here against 0.35 for a page the guest kept;
+traces/README.md, "DeepSpeed's routines inside a real step"), and the kernel keeps
+reporting long after a process frees memory (about 16 MiB a second for 20 s after a
+two-rank calibration exits on this VM, and some MiB a second while idle).
+
 ``snapshot`` reads the kernel's counters (Linux; elsewhere it returns None and nothing
 is reported); ``between`` and ``parse_proc_stat`` are pure.
 """
@@ -33,6 +41,10 @@ class CpuTicks:
 class Snapshot:
     ticks: CpuTicks
     children_cpu_s: float  # CPU time of this process's waited-for descendants (the runs)
+    reported_kib: int | None = None  # freed memory the guest has reported to its host so far
+
+
+REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
 
 
 @dataclass(frozen=True)
@@ -40,9 +52,11 @@ class MachineLoad:
     """Shares of all CPUs' time over an interval, 0..1."""
     others: float  # busy in processes that were not the run's (nor this script's)
     steal: float  # taken by the hypervisor for other virtual machines
+    reported_mib: float | None = None  # freed memory reported to the host meanwhile (None: no counter)
 
     def short(self) -> str:
-        return f"{self.others:.0%}/{self.steal:.0%}"
+        return f"{self.others:.0%}/{self.steal:.0%}" + \
+            (f"/{self.reported_mib:.0f} MiB" if self.reported_mib is not None else "")
 
 
 def load_line(runs: list[MachineLoad | None], calibrations: list[MachineLoad | None]) -> str | None:
@@ -53,7 +67,9 @@ def load_line(runs: list[MachineLoad | None], calibrations: list[MachineLoad | N
 
     if not any(runs) and not any(calibrations):
         return None
-    return f"    machine beside (others/steal): runs {part(runs)}; calibrations {part(calibrations)}"
+    reported = any(x is not None and x.reported_mib is not None for x in runs + calibrations)
+    what = "others/steal/freed memory reported to the host" if reported else "others/steal"
+    return f"    machine beside ({what}): runs {part(runs)}; calibrations {part(calibrations)}"
 
 
 def parse_proc_stat(text: str) -> CpuTicks:
@@ -68,16 +84,21 @@ def parse_proc_stat(text: str) -> CpuTicks:
     raise ValueError("/proc/stat: no aggregate 'cpu' line")
 
 
-def snapshot(stat: Path = Path("/proc/stat")) -> Snapshot | None:
-    """The machine's counters now; None where there is no /proc/stat."""
+def snapshot(stat: Path = Path("/proc/stat"), reported: Path = REPORTED_KIB) -> Snapshot | None:
+    """The machine's counters now; None where there is no /proc/stat (the reported
+    memory None where the kernel does no page reporting)."""
     try:
         ticks = parse_proc_stat(stat.read_text())
     except OSError:
         return None
+    try:
+        reported_kib = int(reported.read_text())
+    except (OSError, ValueError):
+        reported_kib = None
     ch = resource.getrusage(resource.RUSAGE_CHILDREN)
     me = resource.getrusage(resource.RUSAGE_SELF)
     # this script's own time counts as the run's: it only waits while a run measures
-    return Snapshot(ticks, ch.ru_utime + ch.ru_stime + me.ru_utime + me.ru_stime)
+    return Snapshot(ticks, ch.ru_utime + ch.ru_stime + me.ru_utime + me.ru_stime, reported_kib)
 
 
 def between(a: Snapshot | None, b: Snapshot | None, hz: int | None = None) -> MachineLoad | None:
@@ -91,4 +112,6 @@ def between(a: Snapshot | None, b: Snapshot | None, hz: int | None = None) -> Ma
         return None
     own = (b.children_cpu_s - a.children_cpu_s) * hz
     others = max(0.0, (b.ticks.busy - a.ticks.busy) - own) / total
-    return MachineLoad(others=min(1.0, others), steal=(b.ticks.steal - a.ticks.steal) / total)
+    reported = (None if a.reported_kib is None or b.reported_kib is None
+                else max(0, b.reported_kib - a.reported_kib) / 1024)
+    return MachineLoad(others=min(1.0, others), steal=(b.ticks.steal - a.ticks.steal) / total, reported_mib=reported)

@@ -35,8 +35,9 @@ sees them: ``commsim.report.compare.phase_times``) and of the total communicatio
 (executor rows), and the per-op median and p90 error; a framework's rows also report
 each phase's fresh host pages a step, the simulated heap's against the minor page
 faults the run counted; and what else the machine ran beside each run and calibration
-(``bench/machine_load.py``: the share of CPU time other processes used and the share
-the hypervisor stole), so a row measured on a busy machine is not read as a model error.
+(``bench/machine_load.py``: the share of CPU time other processes used, the share the
+hypervisor stole and, in a VM that reports freed memory to its host, the MiB reported
+meanwhile), so a row measured on a busy machine is not read as a model error.
 Measured figures are the median over the measured steps everywhere. Ends with two lines:
 ``median |error| = X%  max |error| = Y%  rows = N`` (step time) and
 ``phases: median |error| = X%  max |error| = Y%  rows = N``. The history of
