@@ -64,8 +64,9 @@ def test_memory_reported_to_the_host_is_read_where_the_kernel_reports(tmp_path):
     b = ml.Snapshot(ml.CpuTicks(100, 100, 0), 1.0, reported_kib=1000 + 12 * 1024)
     load = ml.between(a, b, hz=100)
     assert load == ml.MachineLoad(others=0.0, steal=0.0, reported_mib=12.0)
-    assert ml.load_line([load], [ml.MachineLoad(0.351, 0.012, 0.4)]) == \
-        "    machine beside (others/steal/freed memory reported to the host): runs 0%/0%/12 MiB; calibrations 35%/1%/0 MiB"
+    assert ml.load_line([load], [ml.MachineLoad(0.351, 0.012, 0.4)]) == (
+        "    machine beside (others/steal/freed memory reported to the host): runs 0%/0%/12 MiB; "
+        "calibrations 35%/1%/0 MiB")
     # one side without the counter: nothing said about it
     assert ml.between(a, snap(100, 100, 0, 1.0), hz=100).reported_mib is None
     stat = tmp_path / "stat"
