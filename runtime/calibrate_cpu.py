@@ -1,7 +1,8 @@
 """What only a CPU platform's calibration measures: the cores a rank may run on, the
 OS time slice when a node has more ranks than cores, how each rank's speed drifts
-apart from the others' when it has a core of its own, and the last-level cache's size
-and the memory-bound kernel's rate on data in it.
+apart from the others' when it has a core of its own, the last-level cache's size and
+the memory-bound kernel's rate on data in it, and how much slower Python runs right
+after a blocking collective than back to back.
 
 Each measurement runs on every rank at once (a collective gathers or agrees on the
 result) and returns None where it does not apply: on platforms whose kernels are queued
@@ -14,7 +15,7 @@ import math
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -135,4 +136,65 @@ def cache(cal: Calibrator) -> dict[str, float] | None:
     (x0, y0), (x1, y1) = pts
     rate = (x1 - x0) / (y1 - y0) if y1 > y0 else x1 / max(y1, 1e-9)
     cal.log(f"memory-bound kernels in the cache ({size / 2**20:.0f} MiB): {rate / 1e9:.2f} GB/s")
-    return {"bytes": size, "bytes_per_s": rate}
+    cold = python_cold_factor(cal)
+    return {"bytes": size, "bytes_per_s": rate, "python_cold_factor": cold}
+
+
+# the collectives after which Python is timed: a layer's gather or a bucket's reduction
+# on the small models (MiB), where gloo's threads copy and send for milliseconds
+COLD_SIZES = (1 << 20, 4 << 20)
+
+
+def _module_walk() -> "Callable[[], int]":
+    """A framework hook's kind of Python: a walk over a transformer-shaped module tree's
+    parameters (twelve layers of attention, LayerNorm, MLP and dropout modules, as
+    DeepSpeed's fetch and release and FSDP2's hooks walk them), a set and a sum."""
+    layers = torch.nn.ModuleList(
+        torch.nn.ModuleDict({"attn": torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)),
+                             "ln": torch.nn.LayerNorm(8), "drop": torch.nn.Dropout(0.1),
+                             "mlp": torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                                        torch.nn.Linear(32, 8))})
+        for _ in range(12))
+    modules = list(layers.modules())
+
+    def walk() -> int:
+        seen, n = set(), 0
+        for m in modules:
+            for _, p in m.named_parameters(recurse=False):
+                seen.add(id(p))
+                n += p.numel()
+        return n
+
+    return walk
+
+
+def python_cold_factor(cal: "Calibrator") -> float:
+    """How much slower a framework's Python runs right after a blocking collective than
+    back to back: the time of one walk (``_module_walk``) right after an all-reduce of
+    every rank over the world (gloo's threads ran on the node's cores meanwhile, and
+    the other ranks' Python) over its time right after another walk, medians over
+    calls, the median over ``COLD_SIZES``; every rank at once, the largest rank's
+    factor agreed. A framework's host costs are timed back to back (calibrate
+    --deepspeed-host-costs, --fsdp2-host-costs); a step runs them between collectives
+    (``HardwareProfile.framework_python_ns``). On this 2-core VM: 1.35x after 4 KiB,
+    1.9-2.5x after 1-4 MiB."""
+    walk = _module_walk()
+    calls = 20 if cal.quick else 60
+    factors = []
+    for size in COLD_SIZES:
+        x = torch.zeros(size // 4)
+        warm, cold = [], []
+        dist.barrier()
+        for _ in range(calls):
+            walk()
+            t = time.perf_counter_ns()
+            walk()
+            warm.append(time.perf_counter_ns() - t)
+            dist.all_reduce(x)
+            t = time.perf_counter_ns()
+            walk()
+            cold.append(time.perf_counter_ns() - t)
+        factors.append(statistics.median(cold) / max(1, statistics.median(warm)))
+    factor = max(1.0, cal.agree(statistics.median(factors)))
+    cal.log(f"Python right after a collective: {factor:.2f}x its time back to back")
+    return round(factor, 3)

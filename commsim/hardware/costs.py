@@ -50,6 +50,11 @@ class CostModel(Protocol):
     # write (which bytes are fresh is the simulator's to say: sim.host_heap); None:
     # allocations are priced by size alone (host_malloc_ns)
     def fresh_page_ns_per_byte(self) -> float | None: ...
+    # a framework's Python (hooks, bookkeeping), timed back to back, run by a rank whose
+    # collectives ran since its last Python (``cold``): on a CPU rank the backend's
+    # threads ran on its cores meanwhile and it finds its caches cold (profiles:
+    # ``python_cold_factor``); on a GPU host the collectives run on the device
+    def framework_python_ns(self, duration_ns: int, cold: bool) -> int: ...
 
     # interference by measured factors (profiles; a model with gpu_resources derives it
     # instead): compute runs this much slower while its rank communicates; a collective's
@@ -114,6 +119,9 @@ class SpecCostModel:
 
     def fresh_page_ns_per_byte(self) -> float | None:
         return None  # GPUs: the caching allocator
+
+    def framework_python_ns(self, duration_ns: int, cold: bool) -> int:
+        return duration_ns  # NCCL runs on the device, not on the host's cores
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node

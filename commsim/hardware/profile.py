@@ -163,6 +163,10 @@ class HardwareProfile:
     # the last-level cache's size and the memory-bound kernel's rate in it (0: not measured)
     cache_bytes: int = 0
     cache_bytes_per_s: float = 0.0
+    # a framework's Python run right after a blocking collective, over the same Python
+    # run back to back (calibrate, CPUs; 1.0: not measured): its host costs are timed
+    # back to back; a step runs them between collectives (framework_python_ns)
+    python_cold_factor: float = 1.0
     # a framework's own memory-bound kernels by class, direction and dtype (calibrate,
     # CPUs), priced where the profile prices a framework's run (``framework``), in the
     # step's ``precision`` (the one this profile was loaded for)
@@ -178,6 +182,16 @@ class HardwareProfile:
     def placement(self, group: tuple[int, ...]) -> str:
         """Where a group's ranks sit on this profile's nodes."""
         return INTRA_NODE if len({self.node_of(r) for r in group}) == 1 else INTER_NODE
+
+    def framework_python_ns(self, duration_ns: int, cold: bool) -> int:
+        """A framework's Python (``duration_ns`` as timed back to back) on a CPU rank:
+        at the measured cold cost when a collective of the rank ran since its last
+        Python (``cold``: gloo's threads copied and sent on the node's cores meanwhile,
+        taking them and their caches from the rank's thread), else as timed. Only where
+        the profile prices a framework's run (``framework``)."""
+        if not cold or not self.framework or self.python_cold_factor <= 1.0:
+            return duration_ns
+        return int(duration_ns * self.python_cold_factor)
 
     def host_malloc_ns(self, size_bytes: int, touch_bytes: int | None = None) -> int:
         """An allocation without a caching allocator in front: measured by size when

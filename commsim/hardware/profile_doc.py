@@ -19,7 +19,8 @@ Format (JSON), schema version 2::
      "comm_slowdown_during_compute": 2, # and collectives this much slower during compute (optional)
      "comm_latency_slowdown_during_compute": 3,  # and their fixed latency (optional)
      "issue_ns": 20000,                 # host time to issue one device op (optional)
-     "cache": {"bytes": 33554432, "bytes_per_s": 6e10},  # CPU backends (optional): see below
+     "cache": {"bytes": 33554432, "bytes_per_s": 6e10,  # CPU backends (optional): see below
+               "python_cold_factor": 1.9},
      "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
      "rank_noise": {"sd": 0.1, "corr_ns": 300000000},  # ranks' speed drift (optional): see below
      "rank_stalls": {"rate_per_s": 400, "lengths_ns": [20000, ...]},  # ranks' stalls (optional): see below
@@ -54,6 +55,11 @@ at that rate when the op's ``working_set_bytes`` fit in the rank's share of the 
 (its size over the ranks per node, which share it), the rest of its bytes from the
 table: torch's single-tensor AdamW on CPUs keeps each parameter's arrays in the cache
 across its eight passes. Without ``cache`` every byte is priced from the table.
+``cache.python_cold_factor`` (optional, CPUs): how much slower a framework's Python runs
+right after a blocking collective than back to back (gloo's threads ran on the cores
+meanwhile); a framework's hooks and bookkeeping (host costs timed back to back) are
+priced up by it when a collective of their rank ran since its last Python
+(``HardwareProfile.framework_python_ns``).
 
 Collectives (``collectives.<kind>.<placement>.<group size>``): ``points`` are
 [bytes, seconds] of back-to-back calls (CUDA events on GPUs); on CPU backends also
@@ -263,7 +269,14 @@ def _cache(cache: Any, where: str) -> dict[str, Any]:
             or cache["bytes"] < 1:
         raise CommsimInputError(f"{where}: must be an object {{\"bytes\": a positive integer, "
                                 "\"bytes_per_s\": a positive number}")
-    return {"cache_bytes": cache["bytes"], "cache_bytes_per_s": _num(cache, "bytes_per_s", where)}
+    out = {"cache_bytes": cache["bytes"], "cache_bytes_per_s": _num(cache, "bytes_per_s", where)}
+    if "python_cold_factor" in cache:
+        factor = cache["python_cold_factor"]
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor <= 100.0:
+            raise CommsimInputError(f"{where}: python_cold_factor must be a number from 1 to 100 (Python's time "
+                                    f"after a collective over its time back to back), got {factor!r}")
+        out["python_cold_factor"] = float(factor)
+    return out
 
 
 def load_profile(path: str | Path, precision: str | None = None) -> HardwareProfile:

@@ -60,6 +60,7 @@ class RankSim(RankMemory, RankSpeed):
         # a framework's tensors on a CPU: their fresh pages' price; which bytes are fresh,
         # glibc's 32 MiB ceiling says, or with SimConfig.host_heap the modelled heap
         self.fresh_ns_per_byte = sim.cost.fresh_page_ns_per_byte()
+        self.comm_since_python, self.comm_running = False, 0  # collectives around its Python (RankSpeed)
         self.heap: HostHeap | None = None
         self.heap_keys: dict[str, str] = {}  # live buffer -> its block's name in the heap
         self.heap_n = itertools.count()
@@ -167,7 +168,7 @@ class RankSim(RankMemory, RankSpeed):
             if issue_ns and isinstance(op, O.DEVICE_OP_TYPES):
                 host_t += issue_ns  # the host's own cost of handing the op to its stream
             if isinstance(op, O.HostWork):
-                dur = self._host_ns(op.duration_ns)
+                dur = self._host_ns(self._warmth_ns(op))
                 if self.cpu is not None:  # the host thread needs a core for it
                     yield from self._spend(host_t - env.now)
                     t0 = env.now
@@ -394,6 +395,8 @@ class RankSim(RankMemory, RankSpeed):
     def comm_began(self, sms: int, hbm_rate: float) -> None:
         """A collective of this rank started: its CTAs and HBM traffic are now taken."""
         self.taken = self.taken.plus(sms, hbm_rate)
+        self.comm_since_python, self.comm_running = True, self.comm_running + 1
 
     def comm_ended(self, sms: int, hbm_rate: float) -> None:
         self.taken = self.taken.minus(sms, hbm_rate)
+        self.comm_running -= 1

@@ -4,11 +4,18 @@ collective call scaled by the rank's speed drift (an Ornstein-Uhlenbeck process 
 speed, ``RankDrift``); every piece of the rank's thread's work given the stalls that
 arrive during it (``RankStalls``); a host op drawn with the host jitter (per-rank mode)
 or kept for the lateness of the next collective (symmetric mode). Each keeps the op's
-mean. A mixin of ``rank.RankSim``, whose state it uses."""
+mean. A framework's Python after its rank's collectives is priced cold first
+(``CostModel.framework_python_ns``). A mixin of ``rank.RankSim``, whose state it uses."""
 
 from __future__ import annotations
 
 from math import exp, sqrt
+
+from commsim.ir import ops as O
+
+# host work that is a framework's own Python: its cost was timed back to back, and a
+# collective between two of its calls takes its cores and caches (framework_python_ns)
+FRAMEWORK_PYTHON = frozenset({O.HostKind.PYTHON, O.HostKind.MODULE_HOOK, O.HostKind.GRAD_HOOK, O.HostKind.DEBUG})
 
 
 class RankSpeed:
@@ -48,6 +55,16 @@ class RankSpeed:
             extra += rng.choice(lengths_ns)
             t += rng.expovariate(rate_per_ns)
         return max(1, int(work) + extra)
+
+    def _warmth_ns(self, op) -> int:
+        """A host op's mean time: a framework's Python priced cold when a collective of
+        this rank ran since its last Python (``CostModel.framework_python_ns``), else as
+        given."""
+        if op.kind not in FRAMEWORK_PYTHON:
+            return op.duration_ns
+        dur = self.cost.framework_python_ns(op.duration_ns, self.comm_since_python or self.comm_running > 0)
+        self.comm_since_python = False
+        return dur
 
     def _host_ns(self, duration_ns: int) -> int:
         """A host op's time on this rank: drawn (per-rank mode) or its mean, its variance

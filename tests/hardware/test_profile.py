@@ -124,3 +124,24 @@ def test_reused_bytes_are_priced_in_the_cache_when_the_working_set_fits():
         profile_from_dict({**PROFILE, "cache": {"bytes": 0, "bytes_per_s": 1e10}}, "p.json")
     with pytest.raises(CommsimInputError, match=r"p.json: cache: field 'bytes_per_s' must be a positive number"):
         profile_from_dict({**PROFILE, "cache": {"bytes": 1 << 20}}, "p.json")
+
+
+def test_a_frameworks_python_after_a_collective_is_priced_cold():
+    """``cache.python_cold_factor``: a framework's Python (timed back to back) costs that
+    factor more when a collective of its rank ran since its last Python; only where the
+    profile prices a framework's run, and not without the factor."""
+    from tests.hardware.test_costs import PROFILE
+
+    cache = {"bytes": 1 << 20, "bytes_per_s": 1e10}
+    cold = profile_from_dict({**PROFILE, "cache": {**cache, "python_cold_factor": 2.5}}, "p.json")
+    assert cold.python_cold_factor == 2.5
+    fw = cold.run_by_framework()
+    assert (fw.framework_python_ns(1000, True), fw.framework_python_ns(1000, False)) == (2500, 1000)
+    assert cold.framework_python_ns(1000, True) == 1000  # the executor's host ops are its own
+    plain = profile_from_dict({**PROFILE, "cache": cache}, "p.json").run_by_framework()
+    assert plain.python_cold_factor == 1.0 and plain.framework_python_ns(1000, True) == 1000
+    for bad in (0.5, "2", True, 101):
+        with pytest.raises(CommsimInputError, match=r"p.json: cache: python_cold_factor must be a number from 1 to "
+                                                    r"100 \(Python's time after a collective over its time back to "
+                                                    r"back\), got"):
+            profile_from_dict({**PROFILE, "cache": {**cache, "python_cold_factor": bad}}, "p.json")

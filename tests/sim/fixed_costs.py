@@ -41,6 +41,9 @@ class FixedCosts:
     def fresh_page_ns_per_byte(self):
         return None
 
+    def framework_python_ns(self, duration_ns, cold):
+        return duration_ns
+
     def node_of(self, rank):
         return rank // self.gpus_per_node
 
