@@ -182,7 +182,7 @@ def python_cold_factor(cal: "Calibrator") -> float:
     calls = 20 if cal.quick else 60
     factors = []
     for size in COLD_SIZES:
-        x = torch.zeros(size // 4)
+        x = torch.zeros(size // 4, device=cal.device)  # on the group's device, as every tensor it is handed
         warm, cold = [], []
         dist.barrier()
         for _ in range(calls):
