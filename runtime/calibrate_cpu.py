@@ -122,7 +122,7 @@ def cache(cal: Calibrator) -> dict[str, float] | None:
     a node share it): well inside it, and past a core's L2. The rate is the slope
     between the two, so the kernel's fixed cost (priced apart) is not in it. None on
     GPUs (their optimizers run foreach: nothing states reuse) and where the size is
-    unknown."""
+    unknown. With them, ``python_cold_factor`` (``python_cold_factor()``)."""
     size = last_level_cache_bytes(cal.device)
     if not cal.platform.inline_kernels or not size:
         return None
