@@ -33,6 +33,28 @@ def test_fsdp2_scenarios_predict_with_the_seed_settings_by_default():
     assert hsdp.meta.rank_symmetric and len(hsdp.programs) == 16
 
 
+@pytest.mark.parametrize("strategy", ["deepspeed", "fsdp2"])
+def test_default_configs_train_in_fp16_on_a_gpu_without_bf16_tensor_cores(strategy):
+    sc = Scenario(model="tiny", cluster="p3dn", nodes=1, micro_batch=2, seq=16, strategy=strategy)
+    assert build_schedule(sc)[3] == "fp16"  # V100: bf16 only emulated (G4)
+    assert build_schedule(sc.with_(cluster="p4d"))[3] == "bf16"
+    predict(sc)
+    assert sc.warnings == []
+    from commsim.sweep.grid import base_ds_config, base_fsdp_config  # a sweep's and tune's starting config
+    assert "fp16" in base_ds_config(sc) and base_fsdp_config(sc)["mp_param_dtype"] == "fp16"
+
+
+def test_an_explicit_bf16_config_on_a_v100_cluster_is_warned_about():
+    bf16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    sc = Scenario(model="tiny", cluster="p3dn", nodes=1, micro_batch=2, seq=16, ds_config=bf16)
+    predict(sc)
+    assert sc.warnings == ["the DeepSpeed config trains in bf16, which V100-SXM2-32GB has no tensor cores for: its "
+                           "matmuls are priced at 10 TFLOPS (emulated); training on it runs in fp16"]
+    on_a100 = sc.with_(cluster="p4d", warnings=[])
+    predict(on_a100)
+    assert on_a100.warnings == []
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"strategy": "fsdp2", "ds_config": {"zero_optimization": {"stage": 3}}},
      "--ds-config: DeepSpeed settings; --strategy fsdp2 takes its settings from --fsdp-config"),

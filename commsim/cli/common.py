@@ -51,7 +51,8 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
                    "PyTorch FSDP2, fully_shard on every transformer block and the root, from --fsdp-config")
     p.add_argument("--fsdp-config", metavar="FILE",
                    help="FSDP2 settings JSON, keys as fully_shard's arguments (default: the seed scenario's, "
-                   "{\"mp_param_dtype\": \"bf16\", \"mp_reduce_dtype\": \"fp32\"}; {} is FSDP2's own defaults, fp32): "
+                   "{\"mp_param_dtype\": \"bf16\", \"mp_reduce_dtype\": \"fp32\"}, fp16 on a GPU without bf16 tensor cores (V100); "
+                   "{} is FSDP2's own defaults, fp32): "
                    "reshard_after_forward (true, false or a group size k: reshard to k ranks), "
                    "root_reshard_after_forward (null: FSDP2's default, the root keeps its parameters), "
                    "mp_param_dtype / mp_reduce_dtype (MixedPrecisionPolicy: null, bf16, fp16, fp32), offload and "
@@ -65,7 +66,8 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="p4d",
                    help="node preset: p4d (default), p5, dgx-a100, dgx-h100, p3dn, azure-ndm-a100")
     p.add_argument("--ds-config", metavar="FILE",
-                   help="DeepSpeed config JSON (default: ZeRO-3, bf16, DeepSpeed's defaults)")
+                   help="DeepSpeed config JSON (default: ZeRO-3, bf16 (fp16 on a GPU without bf16 tensor cores: V100), "
+                   "DeepSpeed's defaults)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 3, or the config's)")
     p.add_argument("--preset", default="current",
                    help="DeepSpeed ZeRO-3 release: current (0.19.8, default), optimized (0.6.0, after the seed's "

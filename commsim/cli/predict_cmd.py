@@ -98,7 +98,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Simulate one steady-state training step (after a warm-up step) and report "
                        "step time, throughput, overlap, stalls of the compute stream by cause, memory and cost. "
                        "Defaults: the seed scenario, roberta-10b on 8 p4d nodes, ZeRO-3 as DeepSpeed 0.19.8, micro-batch 16, "
-                       "sequence 512, bf16, layer-wise checkpointing.")
+                       "sequence 512, bf16 (fp16 on V100, which has no bf16 tensor cores), layer-wise checkpointing.")
     add_scenario_flags(p)
     add_hardware_flags(p)
     p.add_argument("--schedule", metavar="FILE", help="simulate this schedule file instead of generating one")

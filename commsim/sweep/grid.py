@@ -145,16 +145,17 @@ def _config_object(value: str | dict | None, default, what: str) -> dict[str, An
 
 def base_fsdp_config(base: Scenario) -> dict[str, Any]:
     """The scenario's FSDP2 settings as a JSON object (the seed scenario's when none)."""
-    from commsim.api import default_fsdp_config
+    from commsim.api import default_fsdp_config, default_half
 
-    return _config_object(base.fsdp_config, default_fsdp_config, "an FSDP2 config")
+    return _config_object(base.fsdp_config, lambda: default_fsdp_config(default_half(base)), "an FSDP2 config")
 
 
 def base_ds_config(base: Scenario) -> dict[str, Any]:
     """The scenario's DeepSpeed config as a JSON object (the stage's default when none)."""
-    from commsim.api import default_ds_config
+    from commsim.api import default_ds_config, default_half
 
-    return _config_object(base.ds_config, lambda: default_ds_config(base.stage), "a DeepSpeed config")
+    return _config_object(base.ds_config, lambda: default_ds_config(base.stage, default_half(base)),
+                          "a DeepSpeed config")
 
 
 def run_point(args: tuple[Scenario, dict[str, Any], str]) -> dict[str, Any]:
