@@ -1,14 +1,19 @@
-"""Where a real DeepSpeed step's host time goes, routine by routine, timed inside the step.
+"""Where a real DeepSpeed or FSDP2 step's host time goes, routine by routine, timed inside the step.
 
     python bench/ds_routines.py --row 'DS small-gpt2 z3 small buckets'
     python bench/ds_routines.py --row 'DS small z3' --profile PROFILE.json   # and the prediction's host ops
+    python bench/ds_routines.py --row 'FSDP2 small'
 
-Runs one DeepSpeed row of the local grid (``bench/local_grid.py``) as bench/validate_local.py
-does (``runtime.examples.ds_train`` under torchrun, gloo, ``DS_ACCELERATOR=cpu``, one thread a
-rank), with DeepSpeed's ZeRO routines (module hooks, parameter fetch and release, gradient
-hooks, bucket flushes, the epilogue, the optimizer step's parts), the c10d calls and the CPU
-accelerator's ``device_count`` wrapped by timers: each call's wall time, the calling thread's
-CPU time and its minor faults. No profiler: a Kineto trace on CPUs charges its own cost to
+Runs one DeepSpeed or FSDP2 row of the local grid (``bench/local_grid.py``) as
+bench/validate_local.py does (``runtime.examples.ds_train`` or ``fsdp_train`` under torchrun,
+gloo, ``DS_ACCELERATOR=cpu``, one thread a rank), with the framework's routines wrapped by
+timers: DeepSpeed's ZeRO routines (module hooks, parameter fetch and release, gradient
+hooks, bucket flushes, the epilogue, the optimizer step's parts) and the CPU accelerator's
+``device_count``; or FSDP2's (its units' pre/post forward and backward hooks, the root's
+pre-forward and final callback, unshard and its wait, reshard, the batched all-gather, its
+copy-out and the reduce), and in both the c10d calls: each call's wall time, the calling
+thread's CPU time and its minor faults. FSDP2's phases are the root module's call, the
+loss's ``backward`` and ``AdamW.step``. No profiler: a Kineto trace on CPUs charges its own cost to
 the ops that allocate. Beside it, the same model runs plain (no DeepSpeed, the same
 checkpointing, micro-batch and sequence; as many processes as ranks, at once, so each has the
 core share a rank has) and its forward and backward are timed the same way.
@@ -45,7 +50,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from local_grid import GRID, Row, row_config  # noqa: E402
-from local_report import DEEPSPEED_WARMUP  # noqa: E402
+from local_report import DEEPSPEED_WARMUP, FSDP2_WARMUP, framework_warmup  # noqa: E402
 
 S3 = ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3")
 PPC = ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator")
@@ -72,11 +77,35 @@ ROUTINES = [
     (*S3, "_reassign_or_swap_out_partitioned_parameters", "step: reassign"),
     (*S3, "_post_step", "step: post-step"),
     ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator", "device_count", "cpu accelerator device_count"),
+]
+C10D = [
     ("torch.distributed", None, "all_gather_into_tensor", "c10d all_gather_into_tensor"),
     ("torch.distributed", None, "reduce_scatter_tensor", "c10d reduce_scatter_tensor"),
     ("torch.distributed", None, "all_reduce", "c10d all_reduce"),
+    # what FSDP2 calls in torch 2.13 (older releases: the two above)
+    ("torch.distributed", None, "all_gather_single", "c10d all_gather_single"),
+    ("torch.distributed", None, "reduce_scatter_single", "c10d reduce_scatter_single"),
+]
+_FS = "torch.distributed.fsdp._fully_shard."
+PG = (_FS + "_fsdp_param_group", "FSDPParamGroup")
+ST = (_FS + "_fsdp_state", "FSDPState")
+# FSDP2 (torch 2.x's fully_shard): a unit's hooks (FSDPState) and its parameter group's
+# work (FSDPParamGroup); the collectives' helpers as _fsdp_param_group imported them.
+FSDP2_ROUTINES = [
+    (*ST, "_root_pre_forward", "root pre-forward"), (*ST, "_pre_forward", "unit pre-forward"),
+    (*ST, "_post_forward", "unit post-forward"), (*ST, "_pre_backward", "unit pre-backward"),
+    (*ST, "_root_post_backward_final_callback", "root final callback"),
+    (*PG, "unshard", "unshard"), (*PG, "wait_for_unshard", "wait for unshard"), (*PG, "reshard", "reshard"),
+    (*PG, "post_backward", "unit post-backward"),
+    (PG[0], None, "foreach_all_gather", "foreach_all_gather"),
+    (PG[0], None, "foreach_all_gather_copy_out", "all-gather copy-out"),
+    (PG[0], None, "foreach_reduce", "foreach_reduce"),
+    (_FS + "_fsdp_collectives", None, "foreach_reduce_scatter_copy_in", "reduce: copy-in"),
+    (_FS + "_fsdp_collectives", None, "_div_if_needed", "reduce: divide"),
 ]
 PHASES = {"engine.forward": "forward", "engine.backward": "backward", "engine.step": "step"}
+FRAMEWORK = {"deepspeed": "DeepSpeed", "fsdp2": "FSDP2"}
+PAGE_BYTES = 4096  # a minor fault maps one base page
 
 
 # ------------------------------------------------------------------ what the report reads
@@ -87,16 +116,17 @@ def phase_spans(events: list) -> dict[str, list]:
     return {ph: sorted((e for e in events if e[0] == lab), key=lambda e: e[1]) for lab, ph in PHASES.items()}
 
 
-def routine_table(events: list, first: int) -> dict[str, dict[str, tuple[float, float, float]]]:
-    """Per phase, per routine: (thread ms, wall ms, calls) a step, means over the phase's
-    calls from the ``first``-th on; a routine counts in the phase whose span holds it."""
+def routine_table(events: list, first: int) -> dict[str, dict[str, tuple[float, float, float, float]]]:
+    """Per phase, per routine: (thread ms, wall ms, calls, MiB of minor faults) a step,
+    means over the phase's calls from the ``first``-th on; a routine counts in the phase
+    whose span holds it."""
     out = {}
     for ph, spans in phase_spans(events).items():
         spans = spans[first:]
         if not spans:
             continue
         starts = [s[1] for s in spans]
-        acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
         for e in events:
             i = bisect.bisect_right(starts, e[1]) - 1
             if i >= 0 and e[2] <= spans[i][2]:
@@ -104,7 +134,9 @@ def routine_table(events: list, first: int) -> dict[str, dict[str, tuple[float, 
                 a[0] += e[3] * 1e3
                 a[1] += (e[2] - e[1]) * 1e3
                 a[2] += 1
-        out[ph] = {k: (v[0] / len(spans), v[1] / len(spans), v[2] / len(spans)) for k, v in acc.items()}
+                a[3] += e[4] * PAGE_BYTES / 2**20
+        out[ph] = {k: (v[0] / len(spans), v[1] / len(spans), v[2] / len(spans), v[3] / len(spans))
+                   for k, v in acc.items()}
     return out
 
 
@@ -204,22 +236,45 @@ def module_table(modules: dict, first: int) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def worker(out: Path, train_args: list[str]) -> None:
-    """One rank: ds_train with the routines wrapped; its events to ``out``/rank<r>.json."""
+def worker(out: Path, runner: str, train_args: list[str]) -> None:
+    """One rank: ds_train or fsdp_train with the routines wrapped; its events to
+    ``out``/rank<r>.json."""
     import atexit
     import runpy
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     events: list = []
     modules: dict = {}
-    for spec in ROUTINES:
+    for spec in (ROUTINES if runner == "deepspeed" else FSDP2_ROUTINES) + C10D:
         _wrap(events, *spec)
     _time_modules(modules)
+    if runner == "fsdp2":
+        _fsdp2_phases(events)
     rank = os.environ.get("RANK", "0")
     atexit.register(lambda: (out / f"rank{rank}.json").write_text(json.dumps(events)))
     atexit.register(lambda: (out / f"rank{rank}.modules.json").write_text(json.dumps(modules)))
-    sys.argv = ["ds_train", *train_args]
-    runpy.run_module("runtime.examples.ds_train", run_name="__main__")
+    script = "ds_train" if runner == "deepspeed" else "fsdp_train"
+    sys.argv = [script, *train_args]
+    runpy.run_module(f"runtime.examples.{script}", run_name="__main__")
+
+
+def _fsdp2_phases(events: list) -> None:
+    """fsdp_train's phases as the events DeepSpeed's engine gives: the root module's call
+    (its FSDP2 hooks included), the loss's backward, the optimizer's step."""
+    import runtime.torch_models as tm
+
+    _wrap(events, "torch", "Tensor", "backward", "engine.backward")
+    _wrap(events, "torch.optim", "AdamW", "step", "engine.step")
+    build = tm.build_model
+
+    def build_timed(*a, **k):
+        m = build(*a, **k)
+        # the root's class gets a timed __call__ of its own (the module timer's inside);
+        # fully_shard's subclass of it inherits it, FSDP2's root hooks run inside it
+        _wrap(events, type(m).__module__, type(m).__name__, "__call__", "engine.forward")
+        return m
+
+    tm.build_model = build_timed
 
 
 def plain(out: Path, model: str, micro: int, seq: int, steps: int) -> None:
@@ -254,11 +309,11 @@ def plain(out: Path, model: str, micro: int, seq: int, steps: int) -> None:
     out.with_suffix(".modules.json").write_text(json.dumps(modules))
 
 
-def deepspeed_row(name: str) -> Row:
+def framework_row(name: str) -> Row:
     row = next((r for r in GRID if r.name == name), None)
-    if row is None or row.runner != "deepspeed":
-        rows = [r.name for r in GRID if r.runner == "deepspeed"]
-        raise ValueError(f"--row {name!r}: not a DeepSpeed row of the grid; rows: {', '.join(rows)}")
+    if row is None or row.runner not in FRAMEWORK:
+        rows = [r.name for r in GRID if r.runner in FRAMEWORK]
+        raise ValueError(f"--row {name!r}: not a DeepSpeed or FSDP2 row of the grid; rows: {', '.join(rows)}")
     return row
 
 
@@ -269,9 +324,13 @@ def run_row(row: Row, work: Path, steps: int) -> tuple[list, list, dict, dict]:
     cfg.write_text(json.dumps(row_config(row)))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"))
+    if row.runner == "deepspeed":
+        train = ["--ds-config", str(cfg)]
+    else:  # as bench/validate_local.py runs an FSDP2 row
+        train = ["--micro-batch", str(row.micro), "--fsdp-config", str(cfg)]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                    str(row.ranks), str(Path(__file__).resolve()), "--worker", str(work), "--", "--model", row.model,
-                    "--seq", str(row.seq), "--ds-config", str(cfg), "--steps", str(steps)],
+                    str(row.ranks), str(Path(__file__).resolve()), "--worker", str(work), row.runner, "--",
+                    "--model", row.model, "--seq", str(row.seq), *train, "--steps", str(steps)],
                    cwd=ROOT, env=env, check=True, capture_output=True)
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--plain", str(work / f"plain{i}.json"),
                                row.model, str(row.micro), str(row.seq), str(steps)], cwd=ROOT, env=env,
@@ -308,20 +367,22 @@ def report(row: Row, events: list, plain_events: list, first: int, predicted: di
            modules: dict | None = None, plain_modules: dict | None = None) -> list[str]:
     table = routine_table(events, first)
     plain_tab = routine_table(plain_events, first)
+    fw = FRAMEWORK[row.runner]
     lines = [f"{row.name}: {row.ranks} ranks, rank 0, steps after the first {first}",
-             f"{'phase':<10}{'wall ms':>10}{'thread ms':>11}{'plain thread ms':>17}{'DeepSpeed adds':>16}"]
+             f"{'phase':<10}{'wall ms':>10}{'thread ms':>11}{'plain thread ms':>17}{fw + ' adds':>16}"]
     for lab, ph in PHASES.items():
         if ph not in table:
             continue
-        thread, wall, _ = table[ph][lab]
+        thread, wall = table[ph][lab][:2]
         p = plain_tab.get(ph, {}).get(lab)
         lines.append(f"{ph:<10}{wall:>10.1f}{thread:>11.1f}" + (f"{p[0]:>17.1f}{thread - p[0]:>+16.1f}" if p else ""))
-    lines.append("routines, a step: thread ms (wall ms), calls; inclusive of the routines they call")
+    lines.append("routines, a step: thread ms (wall ms), calls, MiB of fresh pages (minor faults); inclusive of "
+                 "the routines they call")
     for ph, routines in table.items():
         lines.append(f"  {ph}")
-        for lab, (thread, wall, calls) in sorted(routines.items(), key=lambda kv: -kv[1][0]):
+        for lab, (thread, wall, calls, mib) in sorted(routines.items(), key=lambda kv: -kv[1][0]):
             if lab not in PHASES:
-                lines.append(f"    {lab:<32}{thread:>9.2f} ({wall:>8.2f}){calls:>8.1f}")
+                lines.append(f"    {lab:<32}{thread:>9.2f} ({wall:>8.2f}){calls:>8.1f}{mib:>9.1f}")
     lines.append("the same sites every step, thread ms a step: sum of each site's min / median / mean over steps")
     for lab in sorted({e[0] for e in events} - set(PHASES)):
         s = site_sums(events, lab, first)
@@ -330,8 +391,8 @@ def report(row: Row, events: list, plain_events: list, first: int, predicted: di
                          if s[0] > 0 else f"  {lab:<32}{s[0]:>8.2f} /{s[1]:>8.2f} /{s[2]:>8.2f}")
     if modules is not None and plain_modules is not None:
         mine, plain_mods = module_table(modules, first), module_table(plain_modules, first)
-        lines.append("module calls (forward and recompute), exclusive thread ms a step (hooks included): DeepSpeed / "
-                     "plain, calls, what DeepSpeed adds a call")
+        lines.append(f"module calls (forward and recompute), exclusive thread ms a step (hooks included): {fw} / "
+                     f"plain, calls, what {fw} adds a call")
         for cls, (t, n) in sorted(mine.items(), key=lambda kv: -(kv[1][0] - plain_mods.get(kv[0], (0.0, 0))[0])):
             p = plain_mods.get(cls)
             lines.append(f"  {cls:<32}{t:>9.2f} /" + (f"{p[0]:>9.2f}{n:>8.1f}{1e3 * (t - p[0]) / n:>+10.0f} us"
@@ -347,30 +408,31 @@ def report(row: Row, events: list, plain_events: list, first: int, predicted: di
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":  # a rank, under torchrun
-        worker(Path(sys.argv[2]), sys.argv[4:])
+        worker(Path(sys.argv[2]), sys.argv[3], sys.argv[5:])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--plain":
         out, model, micro, seq, steps = sys.argv[2:7]
         plain(Path(out), model, int(micro), int(seq), int(steps))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--row", required=True, help="a DeepSpeed row of bench/local_grid.py")
-    ap.add_argument("--steps", type=int, default=5, help=f"measured steps, after {DEEPSPEED_WARMUP} of warm-up "
-                    "(default 5)")
+    ap.add_argument("--row", required=True, help="a DeepSpeed or FSDP2 row of bench/local_grid.py")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps, after the grid's warm-up steps for the "
+                    f"row's framework (DeepSpeed {DEEPSPEED_WARMUP}, FSDP2 {FSDP2_WARMUP}) (default 5)")
     ap.add_argument("--profile", help="a calibrated profile (commsim calibrate): print the row's predicted host ops")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps: at least 2 (a site's spread over steps needs two)")
     try:
-        row = deepspeed_row(args.row)
+        row = framework_row(args.row)
     except ValueError as e:
         ap.error(str(e))
     if args.profile and not Path(args.profile).is_file():
         ap.error(f"--profile {args.profile}: no such file")
     work = Path(tempfile.mkdtemp(prefix="commsim-ds-routines-"))
-    events, plain_events, modules, plain_modules = run_row(row, work, args.steps + DEEPSPEED_WARMUP)
+    first = framework_warmup(row)
+    events, plain_events, modules, plain_modules = run_row(row, work, args.steps + first)
     predicted = predicted_host(row, work / "ds.json", args.profile) if args.profile else None
-    print("\n".join(report(row, events, plain_events, DEEPSPEED_WARMUP, predicted, modules, plain_modules)))
+    print("\n".join(report(row, events, plain_events, first, predicted, modules, plain_modules)))
     print(f"(events in {work})")
 
 

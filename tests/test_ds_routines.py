@@ -23,7 +23,7 @@ EVENTS = [
     _ev("engine.forward", 0.0, 1.0, 0.8), _ev("fetch", 0.1, 0.2, 0.05), _ev("fetch", 0.3, 0.5, 0.10),
     _ev("engine.backward", 1.0, 3.0, 1.5), _ev("bucket flush", 1.5, 2.5, 0.2),
     _ev("engine.forward", 10.0, 11.0, 0.7), _ev("fetch", 10.1, 10.2, 0.03), _ev("fetch", 10.3, 10.5, 0.30),
-    _ev("engine.backward", 11.0, 13.0, 1.4), _ev("bucket flush", 11.5, 12.5, 0.4),
+    _ev("engine.backward", 11.0, 13.0, 1.4), _ev("bucket flush", 11.5, 12.5, 0.4, 256),
     _ev("engine.forward", 20.0, 21.0, 0.9), _ev("fetch", 20.1, 20.2, 0.07), _ev("fetch", 20.3, 20.5, 0.20),
 ]
 
@@ -31,12 +31,12 @@ EVENTS = [
 def test_routines_count_in_the_phase_that_holds_them_per_step_after_the_warm_up():
     t = dr.routine_table(EVENTS, first=1)
     # forward: steps 2 and 3; fetch 0.03 + 0.30 and 0.07 + 0.20 s of thread time, two calls a step
-    thread, wall, calls = t["forward"]["fetch"]
-    assert thread == pytest.approx((0.33 + 0.27) / 2 * 1e3) and calls == 2.0
+    thread, wall, calls, fresh = t["forward"]["fetch"]
+    assert thread == pytest.approx((0.33 + 0.27) / 2 * 1e3) and calls == 2.0 and fresh == 0.0
     assert wall == pytest.approx(0.3 * 1e3)
     assert t["forward"]["engine.forward"][0] == pytest.approx(0.8e3)
     # backward: only step 2's (step 3 has none); its flush is not a forward routine
-    assert t["backward"]["bucket flush"] == pytest.approx((0.4e3, 1.0e3, 1.0))
+    assert t["backward"]["bucket flush"] == pytest.approx((0.4e3, 1.0e3, 1.0, 256 * 4096 / 2**20))
     assert "bucket flush" not in t["forward"] and "fetch" not in t["backward"]
 
 
@@ -54,19 +54,52 @@ def test_a_sites_spread_is_summed_over_sites():
 def test_report_sets_deepspeed_beside_the_plain_model():
     plain = [_ev("engine.forward", 0, 1, 0.5), _ev("engine.backward", 1, 2, 1.0),
              _ev("engine.forward", 2, 3, 0.6), _ev("engine.backward", 3, 4, 1.2)]
-    row = dr.deepspeed_row("DS small z3")
+    row = dr.framework_row("DS small z3")
     lines = dr.report(row, EVENTS, plain, 1, {"forward": {"host_module_hook": (6.5, 10)}})
     assert lines[0] == "DS small z3: 2 ranks, rank 0, steps after the first 1"
     assert lines[2] == f"{'forward':<10}{1000.0:>10.1f}{800.0:>11.1f}{600.0:>17.1f}{200.0:>+16.1f}"
     assert "  forward   host_module_hook 6.50 (10)" in lines
 
 
-def test_only_deepspeed_rows():
-    with pytest.raises(ValueError, match="'FSDP2 small': not a DeepSpeed row of the grid; rows: DS small z3"):
-        dr.deepspeed_row("FSDP2 small")
+def test_only_deepspeed_and_fsdp2_rows():
+    assert dr.framework_row("FSDP2 small").runner == "fsdp2"
+    with pytest.raises(ValueError, match="'small z2': not a DeepSpeed or FSDP2 row of the grid; rows: DS small z3"):
+        dr.framework_row("small z2")
     out = subprocess.run([sys.executable, str(Path(dr.__file__)), "--row", "small z2"], capture_output=True,
                          text=True)
-    assert out.returncode == 2 and "--row 'small z2': not a DeepSpeed row" in out.stderr
+    assert out.returncode == 2 and "--row 'small z2': not a DeepSpeed or FSDP2 row" in out.stderr
+
+
+def test_an_fsdp2_row_is_reported_as_fsdp2():
+    plain = [_ev("engine.forward", 0, 1, 0.5), _ev("engine.backward", 1, 2, 1.0)]
+    lines = dr.report(dr.framework_row("FSDP2 small"), EVENTS, plain, 1, None)
+    assert lines[1].endswith(f"{'FSDP2 adds':>16}")
+
+
+def test_fsdp2_phases_are_the_root_call_the_backward_and_the_step():
+    # in a process of its own: the markers patch torch and the model's class for good
+    code = """
+import sys, torch
+sys.path.insert(0, 'bench')
+import ds_routines as dr
+import runtime.torch_models as tm
+from commsim.models import resolve_model
+events = []
+dr._time_modules({})
+dr._fsdp2_phases(events)
+torch.manual_seed(0)
+m = tm.build_model(resolve_model('tiny'))
+opt = torch.optim.AdamW(m.parameters())
+ids = torch.randint(0, 100, (2, 8))
+for _ in range(2):
+    m(ids, labels=ids).backward()
+    opt.step()
+print(' '.join(e[0] for e in sorted(events, key=lambda e: e[1])))
+"""
+    root = Path(dr.__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["engine.forward", "engine.backward", "engine.step"] * 2
 
 
 def test_module_calls_per_class_per_step_after_the_warm_up():
@@ -75,7 +108,7 @@ def test_module_calls_per_class_per_step_after_the_warm_up():
     t = dr.module_table(modules, first=1)
     assert t["Linear"] == pytest.approx((5.0, 4.0)) and t["Dropout"] == pytest.approx((2.0, 2.0))
     plain = {"1 Linear": [0.002, 4], "2 Linear": [0.002, 4], "1 Dropout": [0.0, 2], "2 Dropout": [0.0, 2]}
-    row = dr.deepspeed_row("DS small z3")
+    row = dr.framework_row("DS small z3")
     lines = dr.report(row, EVENTS, [], 1, None, modules, plain)
     i = lines.index("module calls (forward and recompute), exclusive thread ms a step (hooks included): "
                     "DeepSpeed / plain, calls, what DeepSpeed adds a call")
