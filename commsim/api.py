@@ -26,6 +26,7 @@ from commsim.ir.serialize import schedule_hash
 from commsim.ir.trace import Trace, TraceMeta, TraceRecord, TraceSource, make_trace
 from commsim.models import describe, resolve_model
 from commsim.profile_use import cost_model, check_profile_fits, host_costs_used
+from commsim.scenario_defaults import bf16_warning, default_ds_config, default_fsdp_config, default_half
 from commsim.report.metrics import Metrics, StepInfo, compute_metrics, step_info
 from commsim.sim.engine import SimConfig, SimResult, Simulator, simulate
 
@@ -96,38 +97,6 @@ def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
     return make_trace(meta, recs)
 
 
-def default_ds_config(stage: int | None = None, half: str = "bf16") -> dict[str, Any]:
-    """The seed scenario's DeepSpeed config: ZeRO-3 (or ``stage``), bf16 (or ``half``:
-    "fp16", see ``default_half``), DeepSpeed's own AdamW (an optimizer section, so its
-    fused implementation), defaults otherwise."""
-    if half not in ("bf16", "fp16"):
-        raise ValueError(f"half {half!r}: bf16 or fp16")
-    return {half: {"enabled": True}, "optimizer": {"type": "AdamW"},
-            "zero_optimization": {"stage": 3 if stage is None else stage}}
-
-
-def default_half(sc: Scenario) -> str:
-    """The 16-bit type a default config trains in on the scenario's hardware: bf16, but
-    fp16 on a GPU without bf16 tensor cores (V100: bf16 matmuls are emulated at about 10
-    TFLOPS, published-runs.md G4, so V100 runs of DeepSpeed and FSDP trained in fp16).
-    A measured profile keeps bf16 (its own tables say what bf16 costs there)."""
-    if sc.hw_profile:
-        return "bf16"
-    node = cluster_preset(sc.cluster, 1, sc.net, sc.gpus_per_node, sc.nccl_stack).node
-    return "fp16" if node.gpu.bf16_gemm_flops_per_s is not None else "bf16"
-
-
-def bf16_warning(sc: Scenario, precision: str, where: str) -> None:
-    """Warn when a config asks for bf16 on a GPU that only emulates it."""
-    if precision != "bf16" or sc.hw_profile:
-        return
-    node = cluster_preset(sc.cluster, 1, sc.net, sc.gpus_per_node, sc.nccl_stack).node
-    if node.gpu.bf16_gemm_flops_per_s is not None:
-        sc.warnings.append(f"{where} trains in bf16, which {node.gpu.name} has no tensor cores for: its matmuls "
-                           f"are priced at {node.gpu.bf16_gemm_flops_per_s / 1e12:g} TFLOPS (emulated); training on it "
-                           "runs in fp16")
-
-
 def _ds_config(sc: Scenario):
     from commsim.strategies.dsconfig import load_ds_config, parse_ds_config
 
@@ -137,15 +106,6 @@ def _ds_config(sc: Scenario):
     if isinstance(sc.ds_config, dict):
         return parse_ds_config(sc.ds_config, "ds_config"), "ds_config"
     return load_ds_config(sc.ds_config), sc.ds_config
-
-
-def default_fsdp_config(half: str = "bf16") -> dict[str, Any]:
-    """The seed scenario's FSDP2 settings: its bf16 compute (or ``half``), as FSDP2 users
-    run it (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, torchtitan's
-    default); FSDP2's own defaults otherwise. ``{}`` is FSDP2's defaults, fp32 throughout."""
-    if half not in ("bf16", "fp16"):
-        raise ValueError(f"half {half!r}: bf16 or fp16")
-    return {"mp_param_dtype": half, "mp_reduce_dtype": "fp32"}
 
 
 def _fsdp_config(sc: Scenario):
