@@ -22,25 +22,28 @@ def default_ds_config(stage: int | None = None, half: str = "bf16") -> dict[str,
             "zero_optimization": {"stage": 3 if stage is None else stage}}
 
 
+def _emulating_gpu(sc: Scenario):
+    """The scenario's GPU spec when it only emulates bf16 (no bf16 tensor cores), else
+    None; None with a measured profile too (its own tables say what bf16 costs there)."""
+    if sc.hw_profile:
+        return None
+    gpu = cluster_preset(sc.cluster, 1, sc.net, sc.gpus_per_node, sc.nccl_stack).node.gpu
+    return gpu if gpu.bf16_gemm_flops_per_s is not None else None
+
+
 def default_half(sc: Scenario) -> str:
     """The 16-bit type a default config trains in on the scenario's hardware: bf16, but
     fp16 on a GPU without bf16 tensor cores (V100: bf16 matmuls are emulated at about 10
-    TFLOPS, published-runs.md G4, so V100 runs of DeepSpeed and FSDP trained in fp16).
-    A measured profile keeps bf16 (its own tables say what bf16 costs there)."""
-    if sc.hw_profile:
-        return "bf16"
-    node = cluster_preset(sc.cluster, 1, sc.net, sc.gpus_per_node, sc.nccl_stack).node
-    return "fp16" if node.gpu.bf16_gemm_flops_per_s is not None else "bf16"
+    TFLOPS, published-runs.md G4, so V100 runs of DeepSpeed and FSDP trained in fp16)."""
+    return "fp16" if _emulating_gpu(sc) is not None else "bf16"
 
 
 def bf16_warning(sc: Scenario, precision: str, where: str) -> None:
     """Warn when a config asks for bf16 on a GPU that only emulates it."""
-    if precision != "bf16" or sc.hw_profile:
-        return
-    node = cluster_preset(sc.cluster, 1, sc.net, sc.gpus_per_node, sc.nccl_stack).node
-    if node.gpu.bf16_gemm_flops_per_s is not None:
-        sc.warnings.append(f"{where} trains in bf16, which {node.gpu.name} has no tensor cores for: its matmuls "
-                           f"are priced at {node.gpu.bf16_gemm_flops_per_s / 1e12:g} TFLOPS (emulated); training on it "
+    gpu = _emulating_gpu(sc) if precision == "bf16" else None
+    if gpu is not None:
+        sc.warnings.append(f"{where} trains in bf16, which {gpu.name} has no tensor cores for: its matmuls "
+                           f"are priced at {gpu.bf16_gemm_flops_per_s / 1e12:g} TFLOPS (emulated); training on it "
                            "runs in fp16")
 
 

@@ -145,14 +145,14 @@ def _config_object(value: str | dict | None, default, what: str) -> dict[str, An
 
 def base_fsdp_config(base: Scenario) -> dict[str, Any]:
     """The scenario's FSDP2 settings as a JSON object (the seed scenario's when none)."""
-    from commsim.api import default_fsdp_config, default_half
+    from commsim.scenario_defaults import default_fsdp_config, default_half
 
     return _config_object(base.fsdp_config, lambda: default_fsdp_config(default_half(base)), "an FSDP2 config")
 
 
 def base_ds_config(base: Scenario) -> dict[str, Any]:
     """The scenario's DeepSpeed config as a JSON object (the stage's default when none)."""
-    from commsim.api import default_ds_config, default_half
+    from commsim.scenario_defaults import default_ds_config, default_half
 
     return _config_object(base.ds_config, lambda: default_ds_config(base.stage, default_half(base)),
                           "a DeepSpeed config")
