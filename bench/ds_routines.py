@@ -25,10 +25,10 @@ and, for the routines called at the same sites every step, the sum over sites of
 minimum, median and mean over steps (calibrate times a routine as its minimum over steps;
 a step pays its mean). Every module call is timed too, in both runs (``torch.nn.Module``'s
 ``__call__``): per module class the exclusive thread time a step (hooks included, children
-left out) and what DeepSpeed adds a call. With ``--profile``, the row's prediction from that
+left out) and what the framework adds a call. With ``--profile``, the row's prediction from that
 profile: the host ops a step by phase and kind, to set beside the measured routines.
 Figures from this machine are in ``traces/README.md`` ("DeepSpeed's routines inside a
-real step").
+real step", "FSDP2's routines inside a real step").
 """
 
 from __future__ import annotations
