@@ -65,6 +65,7 @@ from runtime.calibrate_contention import ContentionMeasurements
 from runtime.calibrate_host import HostMeasurements
 from runtime.calibrate_profile import Measured, device_name, profile_document
 from runtime.kernels import Kernels, PinnedCopies, default_precision, device_of
+from runtime.page_reporting import PassWatch
 from runtime.timing import MIN_CALLS, CudaTimer, HostTimer, latency_bandwidth, per_call
 
 class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurements, FrameworkKernelMeasurements):
@@ -260,6 +261,7 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         """Every benchmark, in an order that spreads the exact GEMM shapes' rounds over
         the calibration; returns the profile document."""
         t0 = time.perf_counter()
+        passes = PassWatch().start()  # the guest's page-reporting passes (reported_pages)
         devices = self.devices()
         gemm_by_dtype = {"fp32": self.gemm(torch.float32), "bf16": self.gemm(torch.bfloat16)}
         self.gemm_shapes_round()  # exact shapes: at the start, the middle and the end (not quick)
@@ -275,6 +277,7 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         launches = self.launch_costs()
         alloc_a, alloc_per_byte, alloc_points = self.alloc()
         first_touch = self.first_touch()
+        reported = self.reported_pages(passes.stop())
         if not self.quick:
             self.gemm_shapes_round()
         shapes = self.gemm_shapes()
@@ -291,7 +294,7 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
             mem_points=mem_points, collectives=colls, comm_slowdown=slow_c, comm_slowdown_during_compute=slow_n,
             comm_latency_slowdown_during_compute=slow_lat, issue_ns=issue_ns, per_op_ns=per_op_ns,
             alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
-            first_touch_s_per_byte=first_touch, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise,
+            first_touch_s_per_byte=first_touch, reported_pages=reported, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise,
             rank_stalls=stalls,
             devices=devices, nodes=self.nodes, kernel_overhead_ns=kernel_ns, copies=copies,
             allocator=allocator, cache=in_cache, host_costs=launches, framework_kernels=classes)

@@ -1,7 +1,8 @@
 """Calibration's host-side measurements: on CPUs a framework's launch cost (a PyTorch
 op's dispatch), the executor's own per-op costs, allocation cost by size in a step-like
-steady state, the first touch of fresh host pages, and the caching allocator's
-statistics on GPUs.
+steady state, the first touch of fresh host pages (and, on a VM that reports free
+memory to its hypervisor, of reported ones), and the caching allocator's statistics on
+GPUs.
 
 A mixin of ``runtime.calibrate.Calibrator``: it uses the calibrator's rank, world,
 backend, platform, device, ``quick``, ``sync``, ``agree`` / ``agree_all`` and ``log``.
@@ -19,8 +20,14 @@ import torch.distributed as dist
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
 from runtime.calibrate_cpu import cpu_cores
+from runtime.calibrate_profile import host_memory
 from runtime.executor import RankExecutor, RankOptions
+from runtime.page_reporting import SLOW_FACTOR, balloon_reports, reported_extra, reporting_period_s
 from runtime.timing import HostTimer, latency_bandwidth, per_call
+
+# the most a rank holds to find reported pages: past the guest's unreported free pages
+# (768 MiB to 1.75 GiB on this project's VM: traces/README.md)
+REPORTED_BUDGET_BYTES = 2 << 30
 
 
 class HostMeasurements:
@@ -193,3 +200,42 @@ class HostMeasurements:
         mean = self.agree(max(0.0, statistics.fmean(per_round)))  # see _together
         self.log(f"first touch of fresh pages: {mean * 1e9:.3f} ns/B")
         return mean
+
+    def reported_pages(self, pass_times_s: list[float]) -> tuple[float, float] | None:
+        """A guest that reports the memory its processes free to its hypervisor
+        (``runtime.page_reporting``): (its reporting period in seconds, what a reported
+        page's first write costs over a fast fresh page, seconds a byte), or None where
+        the guest does not report or no reported page was met. The period: from the times
+        the kernel's pass counter moved during the calibration (``pass_times_s``:
+        ``page_reporting.PassWatch``), else the kernel's delay. The extra: fresh 64 MiB
+        blocks written and held, in turns as ``alloc`` does, until four come back
+        slow or REPORTED_BUDGET_BYTES are held (half with ``quick``): the first blocks take the free pages the
+        guest has not reported yet, the rest reported ones."""
+        if self.platform.caching_allocator or not balloon_reports():
+            return None
+        period = reporting_period_s(pass_times_s)
+        piece = 64 << 20
+        budget = min(REPORTED_BUDGET_BYTES // (2 if self.quick else 1), host_memory() // (4 * self.ranks_per_node))
+        clock, share = self._host_work_clock()  # wall time, in turns: see alloc
+        rates: list[float] = []
+        for mine in self._turns():
+            if not mine:
+                continue
+            held = []
+            while (len(held) + 1) * piece <= budget:
+                x = torch.empty(piece, dtype=torch.uint8, device=self.device)
+                t0 = clock()
+                x.fill_(1)
+                rates.append((clock() - t0) / piece / share * 1e9)
+                held.append(x)
+                if len(rates) >= 8 and (reported_extra(rates) or 0) > 0 and \
+                        sum(r > SLOW_FACTOR * min(rates) for r in rates[-4:]) == 4:
+                    break
+            del held
+        extra = reported_extra(rates)
+        extra_s = self.agree((extra or 0.0) / 1e9)
+        period = self.agree(period)
+        self.log(f"page reporting: a pass every {period:.2f} s; reported pages "
+                 + (f"{extra_s * 1e9:.2f} ns/B over fast ones" if extra_s > 0 else "not met")
+                 + f" ({len(rates)} blocks of 64 MiB)")
+        return (period, extra_s) if extra_s > 0 else None

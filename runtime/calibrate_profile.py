@@ -54,6 +54,8 @@ class Measured:
     cache: dict[str, float] | None = None  # CPUs: the last-level cache's "bytes" and in-cache "bytes_per_s"
     host_costs: dict[str, Any] | None = None  # CPUs: a framework's launch costs on this machine (HostCosts fields)
     framework_kernels: dict[str, Any] | None = None  # CPUs: a framework's memory-bound kernels by class and dtype
+    # CPUs in a VM that reports free memory: (reporting period s, a reported page's extra s a byte)
+    reported_pages: tuple[float, float] | None = None
 
 
 def profile_document(m: Measured, platform: Platform, device: torch.device, world: int,
@@ -112,7 +114,9 @@ def profile_document(m: Measured, platform: Platform, device: torch.device, worl
         **({"framework_kernels": m.framework_kernels} if m.framework_kernels is not None else {}),
         "alloc": {"malloc_base_ns": int(m.alloc_latency_s * 1e9), "malloc_ns_per_byte": m.alloc_s_per_byte * 1e9,
                   "free_base_ns": int(m.alloc_latency_s * 1e9), "free_ns_per_byte": 0.0, "points": m.alloc_points,
-                  "first_touch_ns_per_byte": m.first_touch_s_per_byte * 1e9},
+                  "first_touch_ns_per_byte": m.first_touch_s_per_byte * 1e9,
+                  **({"page_report_period_ns": round(m.reported_pages[0] * 1e9),
+                      "reported_page_extra_ns_per_byte": m.reported_pages[1] * 1e9} if m.reported_pages else {})},
     }
 
 

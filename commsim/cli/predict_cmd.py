@@ -50,10 +50,15 @@ def report_lines(pred, seed: int) -> list[str]:
     out.append(f"{'memory':<22}peak allocated {_fmt_bytes(m.peak_allocated_bytes)}, reserved "
                f"{_fmt_bytes(m.peak_reserved_bytes)} of {_fmt_bytes(pred.hbm_bytes)}; allocator retries "
                f"{m.alloc_retries}, cache flushes {m.alloc_flushes}")
-    fresh = pred.result.ranks[min(pred.result.ranks)].fresh_page_bytes
+    first = pred.result.ranks[min(pred.result.ranks)]
+    fresh = first.fresh_page_bytes
     if fresh:  # a framework's CPU run: the host pages its tensors' first writes fault, a step
         out.append(f"{'fresh host pages':<22}" + ", ".join(f"{p} {b / 2**20:.0f} MiB" for p, b in fresh.items())
                    + " a step (rank 0; the first write of each faults)")
+    reported = first.reported_page_bytes
+    if reported:  # a VM that reports free memory: large blocks on pages its host dropped
+        out.append(f"{'reported host pages':<22}" + ", ".join(f"{p} {b / 2**20:.0f} MiB" for p, b in reported.items())
+                   + " a step (rank 0; large blocks on pages freed longer ago than the VM's reporting period)")
     if m.cost_usd_per_step == m.cost_usd_per_step and m.cost_usd_per_step > 0:
         per_tokens = (f"${m.cost_usd_per_million_tokens:.2f} per million tokens"
                       if math.isfinite(m.cost_usd_per_million_tokens) else "no tokens (the schedule names no model)")

@@ -50,6 +50,10 @@ class CostModel(Protocol):
     # write (which bytes are fresh is the simulator's to say: sim.host_heap); None:
     # allocations are priced by size alone (host_malloc_ns)
     def fresh_page_ns_per_byte(self) -> float | None: ...
+    # a CPU rank in a virtual machine that reports free memory to its hypervisor: the
+    # reporting period (ns) and a reported page's extra first-write cost (ns a byte);
+    # None: no page is priced as reported (sim.returned_pages)
+    def reported_pages(self) -> tuple[int, float] | None: ...
     # a framework's Python (hooks, bookkeeping), timed back to back, run by a rank whose
     # collectives ran since its last Python (``cold``): on a CPU rank the backend's
     # threads ran on its cores meanwhile and it finds its caches cold (profiles:
@@ -119,6 +123,9 @@ class SpecCostModel:
 
     def fresh_page_ns_per_byte(self) -> float | None:
         return None  # GPUs: the caching allocator
+
+    def reported_pages(self) -> tuple[int, float] | None:
+        return None  # device memory: cudaMalloc's segments, cached
 
     def framework_python_ns(self, duration_ns: int, cold: bool) -> int:
         return duration_ns  # NCCL runs on the device, not on the host's cores

@@ -144,6 +144,11 @@ class HardwareProfile:
     # at free, per byte, over what a write to touched memory costs (calibrate measures
     # it; 0: not measured, the allocation table's large-size cost per byte stands in)
     first_touch_ns_per_byte: float = 0.0
+    # a virtual machine that reports free memory to its hypervisor: its reporting period
+    # and what a reported page's first write costs over a fast one, per byte (calibrate,
+    # where the guest reports; 0: not measured, no page is priced as reported)
+    page_report_period_ns: int = 0
+    reported_page_extra_ns_per_byte: float = 0.0
     # a collective's fixed latency while its node computes, over its latency alone: on a
     # CPU backend the collective's thread waits for a core at each message (calibrate)
     comm_latency_slowdown_during_compute: float = 1.0
@@ -240,6 +245,15 @@ class HardwareProfile:
             return None
         pts = self.alloc_points
         return self.first_touch_ns_per_byte or (pts[-1][1] / pts[-1][0] * 1e9 if pts else self.malloc_ns_per_byte)
+
+    def reported_pages(self) -> tuple[int, float] | None:
+        """(reporting period ns, extra ns a byte) of a guest that reports the host memory
+        its processes free to its hypervisor: a large block's pages that a rank freed
+        longer ago than a period come back at the extra cost (``sim.returned_pages``).
+        None: not measured, or a caching allocator (device memory)."""
+        if self.caching_allocator or self.page_report_period_ns <= 0 or self.reported_page_extra_ns_per_byte <= 0:
+            return None
+        return self.page_report_period_ns, self.reported_page_extra_ns_per_byte
 
     def run_by_framework(self) -> "HardwareProfile":
         """This profile pricing a framework's run of a schedule instead of commsim's

@@ -48,6 +48,11 @@ line through both regimes misprices both (traces/README.md has the figures). Bot
 table and ``first_touch_ns_per_byte`` are wall time: in a virtual machine that reports
 freed memory back to its host, the hypervisor serves part of a fresh page's fault, which
 no guest clock of the thread counts (traces/README.md, "Fresh pages in wall time").
+``alloc.page_report_period_ns`` and ``alloc.reported_page_extra_ns_per_byte`` (optional,
+calibrate measures them where the guest reports free memory to its hypervisor): the
+reporting period, and what the first write of a page the guest has reported costs beyond
+a fast fresh page; a large block's pages that its rank freed longer ago than a period are
+priced so (``sim.returned_pages``).
 
 ``cache``: the last-level cache's size and the memory-bound kernel's rate on data in
 it. A compute op's ``reuse_bytes`` (bytes the ops just before it touched) are priced
@@ -184,6 +189,10 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         time_slice_ns=int(_num(obj, "time_slice_ns", where)) if obj.get("time_slice_ns") is not None else 0,
         first_touch_ns_per_byte=_num(alloc, "first_touch_ns_per_byte", f"{where}: alloc", positive=False)
         if "first_touch_ns_per_byte" in alloc else 0.0,
+        page_report_period_ns=int(_num(alloc, "page_report_period_ns", f"{where}: alloc", positive=False))
+        if "page_report_period_ns" in alloc else 0,
+        reported_page_extra_ns_per_byte=_num(alloc, "reported_page_extra_ns_per_byte", f"{where}: alloc",
+                                             positive=False) if "reported_page_extra_ns_per_byte" in alloc else 0.0,
         **_rank_noise(obj.get("rank_noise"), f"{where}: rank_noise"),
         **_rank_stalls(obj.get("rank_stalls"), f"{where}: rank_stalls"),
         **_cache(obj.get("cache"), f"{where}: cache"),

@@ -23,7 +23,6 @@ rank (jitter, drift, stalls) is ``rank_speed``'s. Times are integer ns.
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections import deque
 from typing import TYPE_CHECKING
@@ -33,9 +32,8 @@ import simpy
 from commsim.hardware.sharing import IDLE
 from commsim.sim.lateness import HostLateness
 from commsim.ir import ops as O
-from commsim.sim.allocator import Block, CachingAllocator
+from commsim.sim.allocator import Block
 from commsim.sim.cpu_scheduler import CpuScheduler, CpuThread
-from commsim.sim.host_heap import HostHeap
 from commsim.sim.rank_memory import RankMemory
 from commsim.sim.rank_speed import RankSpeed
 from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, stall_kind
@@ -55,15 +53,8 @@ class RankSim(RankMemory, RankSpeed):
         self.rank = rank
         self.program = sim.schedule.program_of(rank)
         self.result = RankResult(rank)
-        self.alloc = CachingAllocator(sim.cost.hbm_bytes)
-        self.result.allocator = self.alloc
-        # a framework's tensors on a CPU: their fresh pages' price; which bytes are fresh,
-        # glibc's 32 MiB ceiling says, or with SimConfig.host_heap the modelled heap
-        self.fresh_ns_per_byte = sim.cost.fresh_page_ns_per_byte()
+        self._init_memory()
         self.comm_since_python, self.comm_running = False, 0  # collectives around its Python (RankSpeed)
-        self.heap: HostHeap | None = None
-        self.heap_keys: dict[str, str] = {}  # live buffer -> its block's name in the heap
-        self.heap_n = itertools.count()
         self.done: dict[O.OpId, simpy.Event] = {}
         self.queues: dict[str, deque] = {}
         self.wakeups: dict[str, simpy.Event | None] = {}
@@ -114,17 +105,6 @@ class RankSim(RankMemory, RankSpeed):
             self.blocks[op.buffer] = res.block
             self.block_stream[op.buffer] = op.stream
             self.buffer_streams[op.buffer] = set()
-
-    def adopt_memory(self, warm: "RankSim") -> None:
-        """Start from another rank's allocator state (a warm-up already simulated)."""
-        alloc, mapping = warm.alloc.clone()
-        self.alloc = alloc
-        self.blocks = {b: mapping[blk] for b, blk in warm.blocks.items()}
-        self.block_stream = dict(warm.block_stream)
-        self.result.allocator = alloc
-        self.buffer_streams = {b: set() for b in self.blocks}
-        self.heap = warm.heap.clone() if warm.heap is not None else None
-        self.heap_keys = dict(warm.heap_keys)
 
     # ------------------------------------------------------------ host
     def host(self, warmup_steps: int):

@@ -2,20 +2,56 @@
 new segment whose cudaMalloc waits for the device, or a flush that synchronises every
 stream, frees the free segments and retries) or host malloc priced by size on CPUs, and
 ``Free`` returning a block once every other stream that used it has passed the free
-(record_stream). A mixin of ``rank.RankSim``, whose state it uses."""
+(record_stream). On a VM that reports free memory, a large block's pages freed longer
+ago than a reporting period cost extra (``returned_pages``). A mixin of
+``rank.RankSim``, whose state it uses."""
 
 from __future__ import annotations
 
+import itertools
+
 import simpy
 
+from commsim.hardware.profile import GLIBC_MMAP_THRESHOLD_MAX_BYTES
 from commsim.ir import ops as O
-from commsim.sim.allocator import Block, OutOfMemory
-from commsim.sim.host_heap import mapped_fresh_bytes
+from commsim.sim.allocator import Block, CachingAllocator, OutOfMemory
+from commsim.sim.host_heap import HostHeap, mapped_fresh_bytes
 from commsim.sim.records import HostBlock
+from commsim.sim.returned_pages import ReturnedPages
 
 
 class RankMemory:
     """Allocation and free of one rank; the attributes it reads are RankSim's."""
+
+    def _init_memory(self) -> None:
+        self.alloc = CachingAllocator(self.cost.hbm_bytes)
+        self.result.allocator = self.alloc
+        # a framework's tensors on a CPU: their fresh pages' price; which bytes are fresh,
+        # glibc's 32 MiB ceiling says, or with SimConfig.host_heap the modelled heap
+        self.fresh_ns_per_byte = self.cost.fresh_page_ns_per_byte()
+        self.heap: HostHeap | None = None
+        self.heap_keys: dict[str, str] = {}  # live buffer -> its block's name in the heap
+        self.heap_n = itertools.count()
+        # a CPU rank in a VM that reports free memory: the large blocks it gave back, and
+        # what a reported page's first write costs over a fast one (returned_pages)
+        reported = self.cost.reported_pages()
+        self.returned = ReturnedPages(reported[0]) if reported else None
+        self.reported_extra_ns_per_byte = reported[1] if reported else 0.0
+        self.mapped: dict[str, int] = {}  # live large (mmapped) buffer -> its written bytes
+
+    def adopt_memory(self, warm: "RankMemory") -> None:
+        """Start from another rank's memory state (a warm-up already simulated)."""
+        alloc, mapping = warm.alloc.clone()
+        self.alloc = alloc
+        self.blocks = {b: mapping[blk] for b, blk in warm.blocks.items()}
+        self.block_stream = dict(warm.block_stream)
+        self.result.allocator = alloc
+        self.buffer_streams = {b: set() for b in self.blocks}
+        self.heap = warm.heap.clone() if warm.heap is not None else None
+        self.heap_keys = dict(warm.heap_keys)
+        if warm.returned is not None:  # its returns' times on this simulation's clock
+            self.returned = warm.returned.clone(self.env.now - warm.env.now)
+        self.mapped = dict(warm.mapped)
 
     def _malloc(self, op: O.Alloc):
         env, cost, platform = self.env, self.cost, self.platform
@@ -57,12 +93,14 @@ class RankMemory:
                 fresh = self.heap.malloc(key, op.size_bytes, op.touch_bytes)
             pages = self.result.fresh_page_bytes
             pages[op.phase.value] = pages.get(op.phase.value, 0) + fresh
-            yield from self._on_core(self._stalled(int(self.fresh_ns_per_byte * fresh)))
+            extra = self._reported_ns(op)
+            yield from self._on_core(self._stalled(int(self.fresh_ns_per_byte * fresh) + extra))
         elif not platform.caching_allocator:
             # host malloc, every time (the block bookkeeping still gives peaks): priced by
             # size where the profile measured it (heap reuse vs fresh mmapped pages)
             # the rank's thread at work, so its stalls arrive during it too (RankStalls)
-            yield from self._on_core(self._stalled(cost.host_malloc_ns(op.size_bytes, op.touch_bytes)))
+            extra = self._reported_ns(op)
+            yield from self._on_core(self._stalled(cost.host_malloc_ns(op.size_bytes, op.touch_bytes) + extra))
         else:
             yield env.timeout(self.sim.config.alloc_hit_ns)
         self.blocks[op.buffer] = res.block
@@ -71,15 +109,32 @@ class RankMemory:
         st = self.alloc.stats
         self.result.memory_samples.append((env.now, st.allocated_bytes, st.reserved_bytes))
 
-    def _release(self, block: Block, heap_key: str | None) -> None:
+    def _reported_ns(self, op: O.Alloc) -> int:
+        """A large (mmapped) block's fresh pages on a VM that reports free memory: those
+        not among what this rank gave back within a reporting period are reported pages
+        and cost the extra (``sim.returned_pages``); 0 elsewhere."""
+        if self.returned is None or op.size_bytes < GLIBC_MMAP_THRESHOLD_MAX_BYTES:
+            return 0
+        written = op.size_bytes if op.touch_bytes is None else op.touch_bytes
+        self.mapped[op.buffer] = written  # unmapped at free: pages only where written
+        nbytes = self.returned.take(self.env.now, written)
+        if nbytes:
+            pages = self.result.reported_page_bytes
+            pages[op.phase.value] = pages.get(op.phase.value, 0) + nbytes
+        return int(nbytes * self.reported_extra_ns_per_byte)
+
+    def _release(self, block: Block, heap_key: str | None, mapped_bytes: int = 0) -> None:
         self.alloc.free(block)
         if heap_key is not None:
             self.heap.free(heap_key)
+        if mapped_bytes:  # glibc unmaps it: its pages go back to the OS now
+            self.returned.returned(self.env.now, mapped_bytes)
 
     def _free(self, op: O.Free) -> None:
         block = self.blocks.pop(op.buffer)
         home = self.block_stream.pop(op.buffer)
         key = self.heap_keys.pop(op.buffer, None) if self.heap is not None else None
+        mapped = self.mapped.pop(op.buffer, 0)
         # record_stream: the block returns once every other stream that used it has
         # passed this point (an event recorded on each at free time).
         evs = [self.last_issued[s] for s in self.buffer_streams.pop(op.buffer, ()) if s != home
@@ -88,15 +143,15 @@ class RankMemory:
             left = [len(evs)]
 
             def one_done(_ev: simpy.Event, block: Block = block, left: list[int] = left,
-                         key: str | None = key) -> None:
+                         key: str | None = key, mapped: int = mapped) -> None:
                 left[0] -= 1
                 if left[0] == 0:
-                    self._release(block, key)
+                    self._release(block, key, mapped)
 
             for e in evs:
                 e.callbacks.append(one_done)
         else:
-            self._release(block, key)
+            self._release(block, key, mapped)
         st = self.alloc.stats
         self.result.memory_samples.append((self.env.now, st.allocated_bytes, st.reserved_bytes))
 

@@ -83,10 +83,14 @@ class RankResult:
     # a framework's CPU run: bytes of fresh host pages its allocations wrote, by phase
     # (the minor page faults a real run counts, times the page size)
     fresh_page_bytes: dict[str, int] = field(default_factory=dict)
+    # of the large blocks' fresh pages, those the guest had reported to its hypervisor
+    # (sim.returned_pages), by phase
+    reported_page_bytes: dict[str, int] = field(default_factory=dict)
 
     def clear(self) -> None:
         """Forget the warm-up: the measured step starts now."""
         self.fresh_page_bytes.clear()
+        self.reported_page_bytes.clear()
         self.records.clear()
         self.host_blocks.clear()
         self.flush_times_ns.clear()

@@ -182,6 +182,13 @@ def test_the_profile_document_follows_the_platform():
     prof = profile_from_dict(gpu, "gpu")
     d2h = O.Copy(O.OpId(1), "offload", "grads", O.CopyDirection.D2H, 22_000_000)
     assert prof.copy_ns(d2h) == 8000 + 1_000_000  # 22 MB at 22 GB/s
+    # a VM that reports free memory: the period and the reported pages' extra reach the
+    # profile and the simulator's cost model; without them no page is priced as reported
+    assert "page_report_period_ns" not in cpu["alloc"] and profile_from_dict(cpu, "cpu").reported_pages() is None
+    vm = profile_document(dataclasses.replace(m, reported_pages=(2.05, 3e-9)), platform_of_backend("gloo"),
+                          torch.device("cpu"), 4, 4)
+    assert (vm["alloc"]["page_report_period_ns"], vm["alloc"]["reported_page_extra_ns_per_byte"]) == (2_050_000_000, 3.0)
+    assert profile_from_dict(vm, "vm").reported_pages() == (2_050_000_000, 3.0)
 
 
 TRACES = sorted(p for p in (ROOT / "traces" / "local-cpu").glob("*.json.gz") if not p.name.endswith(".schedule.json.gz"))

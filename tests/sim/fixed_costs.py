@@ -18,6 +18,7 @@ class FixedCosts:
     free_base_ns = 500
     free_ns_per_byte = 0.0
     describe = "fixed"
+    reported = None
 
     def __init__(self, hbm_bytes: int = 1 << 40, gpus_per_node: int = 1, link_bytes_per_s: float = 1e9,
                  latency_ns: int = 0):
@@ -40,6 +41,9 @@ class FixedCosts:
 
     def fresh_page_ns_per_byte(self):
         return None
+
+    def reported_pages(self):
+        return self.reported  # (period ns, extra ns a byte) a test sets, else None
 
     def framework_python_ns(self, duration_ns, cold):
         return duration_ns

@@ -1,0 +1,94 @@
+"""Reported host pages on a VM that reports free memory (sim.returned_pages): the pool's
+rule, and a simulated step that pays for large blocks on pages freed long ago."""
+
+from commsim.ir import ops as O
+from commsim.ir.schedule import Program, Schedule
+from commsim.hardware.platform import CPU
+from commsim.sim.engine import SimConfig, Simulator
+from commsim.sim.returned_pages import ReturnedPages
+from tests.sim.fixed_costs import FixedCosts
+
+MIB = 1 << 20
+
+
+def test_the_reported_share_rises_over_a_period_centred_on_one_period():
+    pool = ReturnedPages(period_ns=2_000)
+    assert [pool.reported_share(a) for a in (0, 1_000, 1_500, 2_000, 2_500, 3_000, 9_000)] == \
+        [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_newest_returns_serve_first_and_the_rest_is_reported_memory():
+    pool = ReturnedPages(period_ns=2_000)
+    pool.returned(0, 100)
+    pool.returned(1_500, 50)
+    # at 2_500: 50 bytes 1_000 old (none reported), then 30 of the 2_500-old (3/4 reported)
+    assert pool.take(2_500, 80) == int(30 * 0.75)
+    assert pool.held_bytes() == 70
+    # at 3_000 the older return is a period and a half old: all reported, forgotten
+    assert pool.take(3_000, 10) == 10 and pool.held_bytes() == 0
+
+
+def test_a_take_within_half_a_period_is_fast_and_partial_takes_keep_their_time():
+    pool = ReturnedPages(period_ns=2_000)
+    pool.returned(100, 100)
+    assert pool.take(1_000, 40) == 0
+    assert pool.held_bytes() == 60
+    assert pool.take(1_100, 60) == 0  # 1_000 old: half a period
+    assert pool.take(1_100, 10) == 10  # nothing left: reported memory
+
+
+def test_clone_moves_times_to_another_clock():
+    pool = ReturnedPages(period_ns=2_000)
+    pool.returned(5_000, 10)
+    moved = pool.clone(-5_000)
+    assert moved.stack == [[10, 0]] and pool.stack == [[10, 5_000]]
+    assert moved.take(1_000, 10) == 0
+
+
+def _program(gap_flops: int) -> Program:
+    """Free a 64 MiB block, compute for ``gap_flops`` ns, then allocate 64 MiB again."""
+    ops = [O.Alloc(O.OpId(1), "compute", "a", "a", 64 * MIB, phase=O.Phase.OPTIMIZER),
+           O.Free(O.OpId(2), "compute", "free a", "a"),
+           O.Compute(O.OpId(3), "compute", "work", O.ComputeKind.ELEMENTWISE, gap_flops, 0, 0),
+           O.Alloc(O.OpId(4), "compute", "b", "b", 64 * MIB, phase=O.Phase.OPTIMIZER),
+           O.Free(O.OpId(5), "compute", "free b", "b")]
+    return Program((), tuple(ops))
+
+
+def _step_ns(gap_flops: int, reported) -> tuple[int, dict]:
+    costs = FixedCosts()
+    costs.platform = CPU
+    costs.reported = reported
+    sched = Schedule.uniform(1, _program(gap_flops))
+    res = Simulator(sched, costs, SimConfig(warmup_steps=1, jitter=0.0)).run()
+    return res.step_time_ns, res.ranks[0].reported_page_bytes
+
+
+def test_a_block_on_pages_freed_long_ago_pays_the_extra():
+    extra = 0.5  # ns a byte
+    quick, quick_pages = _step_ns(1_000, (10_000_000, extra))
+    slow, slow_pages = _step_ns(20_000_000, (10_000_000, extra))
+    plain_quick, _ = _step_ns(1_000, None)
+    plain_slow, _ = _step_ns(20_000_000, None)
+    # b reuses a's pages 1 us after their free: fast; 20 ms after (two 10 ms periods):
+    # reported. a reuses the pages b freed just before, at the end of the step before.
+    assert quick == plain_quick and quick_pages == {}
+    assert slow_pages == {"optimizer": 64 * MIB}
+    assert slow - plain_slow == int(64 * MIB * extra)
+
+
+def test_only_written_pages_go_back():
+    """A large block of which only part was written had pages only there: its free
+    returns those, and a later block beyond them gets reported pages."""
+    costs = FixedCosts()
+    costs.platform = CPU
+    costs.reported = (10_000_000, 1.0)
+    ops = [O.Alloc(O.OpId(1), "compute", "a", "a", 256 * MIB, touch_bytes=32 * MIB, phase=O.Phase.BACKWARD),
+           O.Free(O.OpId(2), "compute", "free a", "a"),
+           O.Alloc(O.OpId(3), "compute", "b", "b", 64 * MIB, phase=O.Phase.BACKWARD),
+           O.Free(O.OpId(4), "compute", "free b", "b")]
+    sched = Schedule.uniform(1, Program((), tuple(ops)))
+    res = Simulator(sched, costs, SimConfig(warmup_steps=0, jitter=0.0)).run()
+    # nothing given back before a: its 32 written MiB are reported memory; b takes the
+    # 32 MiB a gave back and 32 more (a's 224 unwritten MiB never had pages)
+    assert res.ranks[0].reported_page_bytes == {"bwd": 64 * MIB}
