@@ -277,7 +277,6 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         launches = self.launch_costs()
         alloc_a, alloc_per_byte, alloc_points = self.alloc()
         first_touch = self.first_touch()
-        reported = self.reported_pages(passes.stop())
         if not self.quick:
             self.gemm_shapes_round()
         shapes = self.gemm_shapes()
@@ -285,17 +284,20 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         slice_ns = time_slice(self, cores)
         noise, stalls = rank_noise(self, cores)
         allocator = self.allocator_stats()
-        # last: its operand rings (hundreds of MB, allocated and freed per kernel class)
+        # late: its operand rings (hundreds of MB, allocated and freed per kernel class)
         # would change the heap that the allocation benchmarks above see
         classes = self.framework_kernels()
+        # after everything else: it holds and then frees up to gigabytes a rank, which the
+        # guest then reports to its host in passes that take the node's cores for a while
+        reported = self.reported_pages(passes.stop())
         self.log(f"calibration took {time.perf_counter() - t0:.0f} s")
         measured = Measured(
             gemm_by_dtype=gemm_by_dtype, gemm_shapes_by_dtype=shapes, mem_latency_s=mem_a, mem_bytes_per_s=mem_bw,
             mem_points=mem_points, collectives=colls, comm_slowdown=slow_c, comm_slowdown_during_compute=slow_n,
             comm_latency_slowdown_during_compute=slow_lat, issue_ns=issue_ns, per_op_ns=per_op_ns,
             alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
-            first_touch_s_per_byte=first_touch, reported_pages=reported, cpu_cores=cores, time_slice_ns=slice_ns, rank_noise=noise,
-            rank_stalls=stalls,
+            first_touch_s_per_byte=first_touch, reported_pages=reported, cpu_cores=cores, time_slice_ns=slice_ns,
+            rank_noise=noise, rank_stalls=stalls,
             devices=devices, nodes=self.nodes, kernel_overhead_ns=kernel_ns, copies=copies,
             allocator=allocator, cache=in_cache, host_costs=launches, framework_kernels=classes)
         return profile_document(measured, self.platform, self.device, self.world, self.ranks_per_node)
