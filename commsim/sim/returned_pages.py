@@ -10,14 +10,15 @@ free to its host, which drops them; the next touch of such a page then faults in
 hypervisor as well, several times the guest's own first-touch cost.
 
 Measured on this project's VM (traces/README.md, "Which fresh pages come back slow"):
-over the 280 large allocations of seven executor runs, both ranks of each, pages the
-rank had freed less than a second earlier came back at the fast first-touch rate, pages
-freed 1-1.75 s earlier slow for 7-30% of their bytes, 2 s earlier 42%, and from 2.5 s on
-nearly all; the guest's reporting pass ran every 2.05 s. Modelled: the share of a
-return's pages reported by the time they are reused rises linearly from none at half a
-reporting period (calibrate measures it) to all at one and a half, i.e. a return is
-reported about one period after it was freed, at a phase the step does not set; any
-page beyond what the rank gave back is reported (its growth comes from the guest's free
+over the large allocations of seven executor rows (three grid runs, both ranks), pages
+the rank had freed less than a second earlier came back at the fast first-touch rate,
+pages freed 1-1.75 s earlier slow for 7-30% of their bytes, 2 s earlier 42%, and from
+2.5 s on nearly all; the guest's reporting pass ran every 2.01-2.05 s. Modelled: the
+share of a return's pages reported by the time they are reused rises linearly from none
+at three quarters of a reporting period (calibrate measures it) to all at one and a half
+(``REPORTED_FROM``, ``REPORTED_BY``: where those allocations put it), i.e. a return is
+reported about a period after its free, at a phase the step does not set; any page
+beyond what the rank gave back is reported (its growth comes from the guest's free
 memory at large, reported long ago). Pages that stay in glibc's heap are not the OS's
 and never reported. The share is an expectation: a real step meets the slow mode in some
 steps and not others, and the simulated step pays its mean.
@@ -32,6 +33,14 @@ never met the slow mode until each held gigabytes, as training processes do.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# The reported share of a return by its age, in reporting periods: none before
+# REPORTED_FROM, all from REPORTED_BY. From the per-allocation data of three grid runs on
+# this project's VM (1,680 large allocations of seven executor rows, the period 2.01 s):
+# the least-squares ramp starts at 1.55 s and is 1.6 s wide (traces/README.md, "Which
+# fresh pages come back slow").
+REPORTED_FROM = 0.75
+REPORTED_BY = 1.5
 
 
 @dataclass
@@ -66,14 +75,16 @@ class ReturnedPages:
         return int(reported) + need
 
     def reported_share(self, age_ns: int) -> float:
-        """The expected share of pages freed ``age_ns`` ago that a pass has reported."""
-        return min(1.0, max(0.0, (age_ns - self.period_ns / 2) / self.period_ns))
+        """The expected share of pages freed ``age_ns`` ago that the guest has reported:
+        none before REPORTED_FROM periods, all from REPORTED_BY, linear between."""
+        start = REPORTED_FROM * self.period_ns
+        return min(1.0, max(0.0, (age_ns - start) / ((REPORTED_BY - REPORTED_FROM) * self.period_ns)))
 
     def _forget(self, now_ns: int) -> None:
-        """Returns a period and a half old are all reported: the same as none (the
+        """Returns REPORTED_BY periods old are all reported: the same as none (the
         guest's free memory at large), so they need not be kept."""
         old = 0
-        while old < len(self.stack) and now_ns - self.stack[old][1] >= 3 * self.period_ns // 2:
+        while old < len(self.stack) and now_ns - self.stack[old][1] >= REPORTED_BY * self.period_ns:
             old += 1
         if old:
             del self.stack[:old]

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from runtime.page_reporting import (PAGE_REPORTING_DELAY_S, PassWatch, balloon_reports, reported_extra, reporting_passes,
-                                    reporting_period_s)
+from runtime.page_reporting import (PAGE_REPORTING_DELAY_S, PassWatch, balloon_reports, reported_extra,
+                                    reporting_passes, reporting_period_s)
 
 
 def fake_sys(tmp_path, device="0x0005", features="0110010100", passes=None, module=True):

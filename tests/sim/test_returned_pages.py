@@ -11,30 +11,30 @@ from tests.sim.fixed_costs import FixedCosts
 MIB = 1 << 20
 
 
-def test_the_reported_share_rises_over_a_period_centred_on_one_period():
+def test_the_reported_share_rises_from_three_quarters_of_a_period_to_one_and_a_half():
     pool = ReturnedPages(period_ns=2_000)
-    assert [pool.reported_share(a) for a in (0, 1_000, 1_500, 2_000, 2_500, 3_000, 9_000)] == \
-        [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert [pool.reported_share(a) for a in (0, 1_500, 2_000, 2_250, 2_625, 3_000, 9_000)] == \
+        [0.0, 0.0, 1 / 3, 0.5, 0.75, 1.0, 1.0]
 
 
 def test_newest_returns_serve_first_and_the_rest_is_reported_memory():
     pool = ReturnedPages(period_ns=2_000)
     pool.returned(0, 100)
     pool.returned(1_500, 50)
-    # at 2_500: 50 bytes 1_000 old (none reported), then 30 of the 2_500-old (3/4 reported)
-    assert pool.take(2_500, 80) == int(30 * 0.75)
+    # at 2_500: 50 bytes 1_000 old (none reported), then 30 of the 2_500-old (2/3 reported)
+    assert pool.take(2_500, 80) == 20
     assert pool.held_bytes() == 70
     # at 3_000 the older return is a period and a half old: all reported, forgotten
     assert pool.take(3_000, 10) == 10 and pool.held_bytes() == 0
 
 
-def test_a_take_within_half_a_period_is_fast_and_partial_takes_keep_their_time():
+def test_a_take_within_three_quarters_of_a_period_is_fast_and_partial_takes_keep_their_time():
     pool = ReturnedPages(period_ns=2_000)
     pool.returned(100, 100)
     assert pool.take(1_000, 40) == 0
     assert pool.held_bytes() == 60
-    assert pool.take(1_100, 60) == 0  # 1_000 old: half a period
-    assert pool.take(1_100, 10) == 10  # nothing left: reported memory
+    assert pool.take(1_600, 60) == 0  # 1_500 old: three quarters of a period
+    assert pool.take(1_600, 10) == 10  # nothing left: reported memory
 
 
 def test_clone_moves_times_to_another_clock():
