@@ -97,12 +97,47 @@ def fresh_pages(row: "Row", out: Path, prediction: "Prediction") -> dict[str, tu
     return {p: (predicted[p], measured[p]) for p in measured}
 
 
+def reported_pages(row: "Row", out: Path, prediction: "Prediction", profile: Path) -> dict[str, tuple[float, float]]:
+    """The executor's run on a VM that reports free memory (the profile measured it):
+    each phase's large blocks on reported pages a step, in MiB, as (predicted, measured):
+    what the simulator priced as reported (rank 0) beside the bytes the run's large
+    allocations took at the slow rate, each allocation's share of them from its rate
+    between the profile's first touch and first touch plus the reported pages' extra
+    (rank 0, the mean over its measured steps). Empty elsewhere."""
+    from commsim.ir.trace import Trace
+
+    alloc = json.loads(profile.read_text()).get("alloc", {})
+    extra = alloc.get("reported_page_extra_ns_per_byte", 0.0)
+    if row.runner == "deepspeed" or row.fsdp is not None or extra <= 0:
+        return {}
+    fast = alloc.get("first_touch_ns_per_byte", 0.0)
+    measured: dict[str, float] = {}
+    steps = set()
+    for r in Trace.load(out).records:
+        if r.rank != 0 or r.step < EXECUTOR_WARMUP:
+            continue
+        steps.add(r.step)
+        if r.kind == "alloc" and r.size_bytes >= 32 << 20:
+            share = min(1.0, max(0.0, ((r.end_ns - r.start_ns) / r.size_bytes - fast) / extra))
+            name = _SIM_PHASES.get(r.phase, r.phase)
+            measured[name] = measured.get(name, 0.0) + share * r.size_bytes / 2**20
+    predicted: dict[str, float] = {}
+    for phase, nbytes in prediction.result.ranks[0].reported_page_bytes.items():
+        name = _SIM_PHASES.get(phase, phase)
+        predicted[name] = predicted.get(name, 0.0) + nbytes / 2**20
+    n = max(1, len(steps))
+    return {p: (predicted.get(p, 0.0), measured.get(p, 0.0) / n) for p in sorted(set(predicted) | set(measured))}
+
+
 def report_row(row: "Row", preds: list[float], meass: list[float], phase_runs: dict[str, list[tuple[float, float]]],
                op_pcts: list[dict[str, float]], repeats: int,
-               page_runs: dict[str, list[tuple[float, float]]] | None = None) -> tuple[float, list[float], dict[str, float]]:
-    """Print a row's line, its phases line and (a framework's runs) its fresh pages line;
-    return its error (mean prediction against mean measurement), each run's own error
-    and each phase's error."""
+               page_runs: dict[str, list[tuple[float, float]]] | None = None,
+               reported_runs: dict[str, list[tuple[float, float]]] | None = None,
+               ) -> tuple[float, list[float], dict[str, float]]:
+    """Print a row's line, its phases line, (a framework's runs) its fresh pages line and
+    (the executor's, on a VM that reports free memory) its reported pages line; return
+    its error (mean prediction against mean measurement), each run's own error and each
+    phase's error."""
     pred, meas = statistics.fmean(preds), statistics.fmean(meass)
     err = (pred - meas) / meas
     run_errs = [(p - m) / m for p, m in zip(preds, meass)]
@@ -120,6 +155,10 @@ def report_row(row: "Row", preds: list[float], meass: list[float], phase_runs: d
         print("    fresh pages, MiB a step (predicted / measured): " + ", ".join(
             f"{p} {statistics.fmean(a for a, _ in v):.0f} / {statistics.fmean(b for _, b in v):.0f}"
             for p, v in page_runs.items()), flush=True)
+    if reported_runs:
+        print("    reported pages, MiB a step (predicted / measured): " + ", ".join(
+            f"{p} {statistics.fmean(a for a, _ in v):.0f} / {statistics.fmean(b for _, b in v):.0f}"
+            for p, v in reported_runs.items()), flush=True)
     return err, run_errs, ph_err
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local_report import MANIFEST, fresh_pages, measured_phases, report_row, report_totals, stored_step_s  # noqa: E402
+from local_report import (MANIFEST, fresh_pages, measured_phases, report_row, report_totals,  # noqa: E402
+                          reported_pages, stored_step_s)
 from local_grid import GRID, Row, row_config, scenario  # noqa: E402
 
 from commsim.api import predict  # noqa: E402
@@ -119,7 +120,7 @@ def main() -> None:
         runner = "framework" if row.runner == "deepspeed" or row.fsdp is not None else "executor"
         # the heap model is of a framework's tensors: the executor's rows keep their own pricing
         sc = scenario(row, str(cfg_path), runner=runner, host_heap=args.host_heap and runner == "framework")
-        preds, meass, phase_runs, op_pcts, page_runs = [], [], {}, [], {}
+        preds, meass, phase_runs, op_pcts, page_runs, reported_runs = [], [], {}, [], {}, {}
         for k in range(repeats):
             out = work / f"measured{i}{'' if k == 0 else f'.{k + 1}'}.json"
             if not out.exists():
@@ -132,10 +133,12 @@ def main() -> None:
                 phase_runs.setdefault(p, []).append((ph_pred[p], v))
             for p, v in fresh_pages(row, out, prediction).items():
                 page_runs.setdefault(p, []).append(v)
+            for p, v in reported_pages(row, out, prediction, Path(profile_of(i, k))).items():
+                reported_runs.setdefault(p, []).append(v)
             op_pcts.append(ops)
         if not preds:
             continue
-        err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, repeats, page_runs)
+        err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, repeats, page_runs, reported_runs)
         if (work / f"load{i}.txt").exists():  # what else the machine ran beside the runs (validate_local)
             print("    " + (work / f"load{i}.txt").read_text().strip(), flush=True)
         signed.append(err)

@@ -74,7 +74,8 @@ from linked_namespaces import LinkedNamespaces  # noqa: E402
 from local_grid import GRID, LINK_RATE, Row, row_config, row_key, scenario  # noqa: E402
 from machine_load import between, load_line, snapshot  # noqa: E402
 from local_report import (DEEPSPEED_WARMUP, EXECUTOR_WARMUP, FSDP2_WARMUP, MANIFEST, fresh_pages,  # noqa: E402
-                          measured_phases, median_step_s, report_row, report_totals, stored_step_s)
+                          measured_phases, median_step_s, report_row, report_totals, reported_pages,
+                          stored_step_s)
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: int = 1800) -> str:
@@ -271,6 +272,7 @@ def main() -> None:
         preds, meass = [], []
         phase_runs: dict[str, list[tuple[float, float]]] = {}  # phase -> (predicted, measured) per run
         page_runs: dict[str, list[tuple[float, float]]] = {}  # a framework's fresh pages, the same way
+        reported_runs: dict[str, list[tuple[float, float]]] = {}  # the executor's reported pages (a VM)
         op_pcts: list[dict[str, float]] = []
         for k in range(args.repeats):
             tag = "" if k == 0 else f".{k + 1}"
@@ -298,6 +300,8 @@ def main() -> None:
                 phase_runs.setdefault(p, []).append((ph_pred[p], v))
             for p, v in fresh_pages(row, out, prediction).items():
                 page_runs.setdefault(p, []).append(v)
+            for p, v in reported_pages(row, out, prediction, profile).items():
+                reported_runs.setdefault(p, []).append(v)
             op_pcts.append(ops)
             if k == 0 and row.runner != "deepspeed" and row.fsdp is None and args.traces:
                 dest = Path(args.traces)
@@ -308,7 +312,8 @@ def main() -> None:
                 Trace.load(out).save(dest / f"{stem}.json.gz")
                 shutil.copy(profile, dest / f"{stem}.profile.json")
                 save_schedule(schedule, dest / f"{stem}.schedule.json.gz")  # what the trace measured
-        row_err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, args.repeats, page_runs)
+        row_err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, args.repeats, page_runs,
+                                               reported_runs)
         line = load_line(run_loads, cal_loads)
         if line:
             print(line, flush=True)

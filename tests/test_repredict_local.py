@@ -107,3 +107,36 @@ def test_the_heap_model_reaches_the_framework_rows_only(tmp_path):
              for k, o in (("plain", plain), ("heap", heap))}
     assert set(lines["plain"]) == set(lines["heap"]) == {"small z2", "DS small z2"}
     assert lines["plain"]["small z2"] == lines["heap"]["small z2"]  # the executor's row as it was
+
+
+def test_reported_pages_of_an_executor_run(tmp_path):
+    """The reported pages line's figures: the simulator's reported bytes by phase beside
+    each large allocation's slow share, from its rate between the profile's first touch
+    and first touch plus the reported pages' extra (rank 0, the measured steps only)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from local_grid import GRID
+    from local_report import EXECUTOR_WARMUP, reported_pages
+
+    from commsim.ir.trace import TraceMeta, TraceRecord, TraceSource, make_trace
+
+    mib = 1 << 20
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"alloc": {"first_touch_ns_per_byte": 0.5, "reported_page_extra_ns_per_byte": 3.0}}))
+
+    def alloc(step, rank, ns_per_byte, phase, size=64 * mib):
+        return TraceRecord(rank, "host", 1, "alloc", "a", 0, int(size * ns_per_byte), size, 0, step, phase, "", "")
+
+    recs = [alloc(0, 0, 3.5, "optimizer")]  # a warm-up step: not counted
+    for step in range(EXECUTOR_WARMUP, EXECUTOR_WARMUP + 2):
+        recs += [alloc(step, 0, 0.5, "bwd"), alloc(step, 0, 2.0, "optimizer"), alloc(step, 1, 3.5, "optimizer"),
+                 alloc(step, 0, 9.0, "bwd", size=16 * mib)]  # rank 1 and small blocks: not counted
+    out = tmp_path / "measured.json"
+    make_trace(TraceMeta(TraceSource.MEASURED), recs).save(out)
+    pred = SimpleNamespace(result=SimpleNamespace(ranks={0: SimpleNamespace(reported_page_bytes={"optimizer": 40 * mib})}))
+    row = next(r for r in GRID if r.name == "small z3 opt")
+    # optimizer: (2.0 - 0.5) / 3.0 = half of 64 MiB a step; backward: none
+    assert reported_pages(row, out, pred, profile) == {"backward": (0.0, 0.0), "optimizer": (40.0, 32.0)}
+    profile.write_text(json.dumps({"alloc": {"first_touch_ns_per_byte": 0.5}}))
+    assert reported_pages(row, out, pred, profile) == {}  # not measured: no line

@@ -2,8 +2,8 @@
 new segment whose cudaMalloc waits for the device, or a flush that synchronises every
 stream, frees the free segments and retries) or host malloc priced by size on CPUs, and
 ``Free`` returning a block once every other stream that used it has passed the free
-(record_stream). On a VM that reports free memory, a large block's pages freed longer
-ago than a reporting period cost extra (``returned_pages``). A mixin of
+(record_stream). On a VM that reports free memory, a large block on pages its rank freed
+about a reporting period ago or more costs extra (``returned_pages``). A mixin of
 ``rank.RankSim``, whose state it uses."""
 
 from __future__ import annotations
@@ -110,14 +110,17 @@ class RankMemory:
         self.result.memory_samples.append((env.now, st.allocated_bytes, st.reserved_bytes))
 
     def _reported_ns(self, op: O.Alloc) -> int:
-        """A large (mmapped) block's fresh pages on a VM that reports free memory: those
-        not among what this rank gave back within a reporting period are reported pages
-        and cost the extra (``sim.returned_pages``); 0 elsewhere."""
+        """A large (mmapped) block's fresh pages on a VM that reports free memory: the
+        share of them the guest has reported, by the age of the pages this rank gave
+        back (``sim.returned_pages``), costs the extra; 0 elsewhere."""
         if self.returned is None or op.size_bytes < GLIBC_MMAP_THRESHOLD_MAX_BYTES:
             return 0
         written = op.size_bytes if op.touch_bytes is None else op.touch_bytes
-        self.mapped[op.buffer] = written  # unmapped at free: pages only where written
         nbytes = self.returned.take(self.env.now, written)
+        kept = self.mapped.get(op.buffer)  # the step before's block of a kept buffer: freed once replaced
+        if kept:
+            self.returned.returned(self.env.now, kept)
+        self.mapped[op.buffer] = written  # unmapped at free: pages only where written
         if nbytes:
             pages = self.result.reported_page_bytes
             pages[op.phase.value] = pages.get(op.phase.value, 0) + nbytes
