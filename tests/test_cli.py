@@ -219,6 +219,17 @@ def test_predict_with_a_measured_profile(tmp_path):
     assert "fresh host pages" not in run(*args, "--runner", "executor").stdout
     # the heap model instead of glibc's ceiling: a framework's CPU run only
     assert re.search(r"^fresh host pages +fwd \d+ MiB", run(*args, "--host-heap").stdout, re.M)
+    # a VM that reports free memory (a 1 ms period: every large block's pages are old):
+    # the large blocks on reported pages, by phase
+    vm = tmp_path / "vm.json"
+    doc = json.loads(prof.read_text())
+    doc["alloc"] = {**doc["alloc"], "page_report_period_ns": 1_000_000, "reported_page_extra_ns_per_byte": 1.0}
+    vm.write_text(json.dumps(doc))
+    big = ("predict", "--model", "small", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "1", "--seq", "16")
+    out = run(*big, "--hw-profile", str(vm)).stdout
+    assert re.search(r"^reported host pages +.*\d+ MiB a step \(rank 0; large blocks on pages the VM has reported", out,
+                     re.M)
+    assert "reported host pages" not in run(*big, "--hw-profile", str(prof)).stdout
     bad = run(*args, "--runner", "executor", "--host-heap")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
         "--host-heap: models a framework's tensors on CPUs; it needs a CPU (gloo) --hw-profile and --runner framework")

@@ -58,7 +58,7 @@ def report_lines(pred, seed: int) -> list[str]:
     reported = first.reported_page_bytes
     if reported:  # a VM that reports free memory: large blocks on pages its host dropped
         out.append(f"{'reported host pages':<22}" + ", ".join(f"{p} {b / 2**20:.0f} MiB" for p, b in reported.items())
-                   + " a step (rank 0; large blocks on pages freed longer ago than the VM's reporting period)")
+                   + " a step (rank 0; large blocks on pages the VM has reported to its host)")
     if m.cost_usd_per_step == m.cost_usd_per_step and m.cost_usd_per_step > 0:
         per_tokens = (f"${m.cost_usd_per_million_tokens:.2f} per million tokens"
                       if math.isfinite(m.cost_usd_per_million_tokens) else "no tokens (the schedule names no model)")
