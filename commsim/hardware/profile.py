@@ -248,8 +248,9 @@ class HardwareProfile:
 
     def reported_pages(self) -> tuple[int, float] | None:
         """(reporting period ns, extra ns a byte) of a guest that reports the host memory
-        its processes free to its hypervisor: a large block's pages that a rank freed
-        longer ago than a period come back at the extra cost (``sim.returned_pages``).
+        its processes free to its hypervisor: the share of a large block's pages that the
+        guest has reported by the time the rank reuses them, which grows with their age
+        in periods, comes back at the extra cost (``sim.returned_pages``).
         None: not measured, or a caching allocator (device memory)."""
         if self.caching_allocator or self.page_report_period_ns <= 0 or self.reported_page_extra_ns_per_byte <= 0:
             return None

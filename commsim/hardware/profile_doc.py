@@ -51,8 +51,9 @@ no guest clock of the thread counts (traces/README.md, "Fresh pages in wall time
 ``alloc.page_report_period_ns`` and ``alloc.reported_page_extra_ns_per_byte`` (optional,
 calibrate measures them where the guest reports free memory to its hypervisor): the
 reporting period, and what the first write of a page the guest has reported costs beyond
-a fast fresh page; a large block's pages that its rank freed longer ago than a period are
-priced so (``sim.returned_pages``).
+a fast fresh page; a large block's pages are priced so by the share the guest has
+reported since its rank freed them, which grows with their age in periods
+(``sim.returned_pages``).
 
 ``cache``: the last-level cache's size and the memory-bound kernel's rate on data in
 it. A compute op's ``reuse_bytes`` (bytes the ops just before it touched) are priced
