@@ -89,12 +89,17 @@ def fresh_pages(row: "Row", out: Path, prediction: "Prediction") -> dict[str, tu
     warmup = framework_warmup(row)
     page = resource.getpagesize()
     measured = {_DS_PHASES[k]: statistics.median(v[warmup:]) * page / 2**20 for k, v in faults.items() if v[warmup:]}
-    predicted = dict.fromkeys(measured, 0.0)
-    for phase, nbytes in prediction.result.ranks[0].fresh_page_bytes.items():
-        name = _SIM_PHASES.get(phase)
-        if name in predicted:
-            predicted[name] += nbytes / 2**20
-    return {p: (predicted[p], measured[p]) for p in measured}
+    predicted = _mib_by_phase(prediction.result.ranks[0].fresh_page_bytes)
+    return {p: (predicted.get(p, 0.0), measured[p]) for p in measured}
+
+
+def _mib_by_phase(nbytes_by_phase: dict[str, int]) -> dict[str, float]:
+    """The simulator's bytes by phase, in MiB by the phases a run's timer sees."""
+    out: dict[str, float] = {}
+    for phase, nbytes in nbytes_by_phase.items():
+        name = _SIM_PHASES.get(phase, phase)
+        out[name] = out.get(name, 0.0) + nbytes / 2**20
+    return out
 
 
 def reported_pages(row: "Row", out: Path, prediction: "Prediction", profile: Path) -> dict[str, tuple[float, float]]:
@@ -104,6 +109,7 @@ def reported_pages(row: "Row", out: Path, prediction: "Prediction", profile: Pat
     allocations took at the slow rate, each allocation's share of them from its rate
     between the profile's first touch and first touch plus the reported pages' extra
     (rank 0, the mean over its measured steps). Empty elsewhere."""
+    from commsim.hardware.profile import GLIBC_MMAP_THRESHOLD_MAX_BYTES
     from commsim.ir.trace import Trace
 
     alloc = json.loads(profile.read_text()).get("alloc", {})
@@ -117,14 +123,11 @@ def reported_pages(row: "Row", out: Path, prediction: "Prediction", profile: Pat
         if r.rank != 0 or r.step < EXECUTOR_WARMUP:
             continue
         steps.add(r.step)
-        if r.kind == "alloc" and r.size_bytes >= 32 << 20:
+        if r.kind == "alloc" and r.size_bytes >= GLIBC_MMAP_THRESHOLD_MAX_BYTES:
             share = min(1.0, max(0.0, ((r.end_ns - r.start_ns) / r.size_bytes - fast) / extra))
             name = _SIM_PHASES.get(r.phase, r.phase)
             measured[name] = measured.get(name, 0.0) + share * r.size_bytes / 2**20
-    predicted: dict[str, float] = {}
-    for phase, nbytes in prediction.result.ranks[0].reported_page_bytes.items():
-        name = _SIM_PHASES.get(phase, phase)
-        predicted[name] = predicted.get(name, 0.0) + nbytes / 2**20
+    predicted = _mib_by_phase(prediction.result.ranks[0].reported_page_bytes)
     n = max(1, len(steps))
     return {p: (predicted.get(p, 0.0), measured.get(p, 0.0) / n) for p in sorted(set(predicted) | set(measured))}
 
@@ -151,14 +154,11 @@ def report_row(row: "Row", preds: list[float], meass: list[float], phase_runs: d
     print("    phases: " + ", ".join(f"{p} {e:+.1%}" for p, e in ph_err.items())
           + (f"; per op: median {statistics.fmean(o['p50'] for o in ops):+.0%}, "
              f"p90 {statistics.fmean(o['p90'] for o in ops):+.0%}" if ops else ""), flush=True)
-    if page_runs:
-        print("    fresh pages, MiB a step (predicted / measured): " + ", ".join(
-            f"{p} {statistics.fmean(a for a, _ in v):.0f} / {statistics.fmean(b for _, b in v):.0f}"
-            for p, v in page_runs.items()), flush=True)
-    if reported_runs:
-        print("    reported pages, MiB a step (predicted / measured): " + ", ".join(
-            f"{p} {statistics.fmean(a for a, _ in v):.0f} / {statistics.fmean(b for _, b in v):.0f}"
-            for p, v in reported_runs.items()), flush=True)
+    for label, runs in (("fresh pages", page_runs), ("reported pages", reported_runs)):
+        if runs:
+            print(f"    {label}, MiB a step (predicted / measured): " + ", ".join(
+                f"{p} {statistics.fmean(a for a, _ in v):.0f} / {statistics.fmean(b for _, b in v):.0f}"
+                for p, v in runs.items()), flush=True)
     return err, run_errs, ph_err
 
 

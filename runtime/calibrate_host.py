@@ -22,7 +22,7 @@ from commsim.ir.schedule import Program, Schedule
 from runtime.calibrate_cpu import cpu_cores
 from runtime.calibrate_profile import host_memory
 from runtime.executor import RankExecutor, RankOptions
-from runtime.page_reporting import SLOW_FACTOR, balloon_reports, reported_extra, reporting_period_s
+from runtime.page_reporting import balloon_reports, reported_extra, reporting_period_s, slow_pieces
 from runtime.timing import HostTimer, latency_bandwidth, per_call
 
 # the most a rank holds to find reported pages: past the guest's unreported free pages
@@ -208,9 +208,10 @@ class HostMeasurements:
         the guest does not report or no reported page was met. The period: from the times
         the kernel's pass counter moved during the calibration (``pass_times_s``:
         ``page_reporting.PassWatch``), else the kernel's delay. The extra: fresh 64 MiB
-        blocks written and held, in turns as ``alloc`` does, until four come back
-        slow or REPORTED_BUDGET_BYTES are held (half with ``quick``): the first blocks take the free pages the
-        guest has not reported yet, the rest reported ones."""
+        blocks written and held, in turns as ``alloc`` does, until four in a row come
+        back slow or REPORTED_BUDGET_BYTES are held (half with ``quick``): the first
+        blocks take the free pages the guest has not reported yet, the rest reported
+        ones."""
         if self.platform.caching_allocator or not balloon_reports():
             return None
         period = reporting_period_s(pass_times_s)
@@ -228,8 +229,7 @@ class HostMeasurements:
                 x.fill_(1)
                 rates.append((clock() - t0) / piece / share * 1e9)
                 held.append(x)
-                if len(rates) >= 8 and (reported_extra(rates) or 0) > 0 and \
-                        sum(r > SLOW_FACTOR * min(rates) for r in rates[-4:]) == 4:
+                if len(rates) >= 5 and all(slow_pieces(rates)[-4:]):
                     break
             del held
         extra = reported_extra(rates)

@@ -101,17 +101,24 @@ class PassWatch:
         return list(self.times_s)
 
 
+def slow_pieces(rates_ns_per_byte: list[float]) -> list[bool]:
+    """Which of successive fresh pieces' first-write rates (ns a byte) are reported
+    pages: slower than SLOW_FACTOR times the median of the fastest quarter."""
+    ordered = sorted(rates_ns_per_byte)
+    fast_ref = statistics.median(ordered[:max(1, len(ordered) // 4)]) if ordered else 0.0
+    return [r > SLOW_FACTOR * fast_ref for r in rates_ns_per_byte]
+
+
 def reported_extra(rates_ns_per_byte: list[float]) -> float | None:
-    """Successive fresh pieces' first-write rates (ns a byte): the reported pieces'
-    mean over the fast pieces' mean, when at least MIN_SLOW_PIECES pieces are slower than
-    SLOW_FACTOR times the fastest quarter's median; None when the run found no reported
-    pages (every piece came from memory the guest had not reported yet)."""
+    """The reported pieces' mean rate over the fast pieces' mean (``slow_pieces``), when
+    at least four pieces were timed and MIN_SLOW_PIECES of them are slow; None when the
+    run found no reported pages (every piece came from memory the guest had not
+    reported yet)."""
     if len(rates_ns_per_byte) < 4:
         return None
-    ordered = sorted(rates_ns_per_byte)
-    fast_ref = statistics.median(ordered[:max(1, len(ordered) // 4)])
-    slow = [r for r in rates_ns_per_byte if r > SLOW_FACTOR * fast_ref]
-    fast = [r for r in rates_ns_per_byte if r <= SLOW_FACTOR * fast_ref]
+    marks = slow_pieces(rates_ns_per_byte)
+    slow = [r for r, s in zip(rates_ns_per_byte, marks) if s]
+    fast = [r for r, s in zip(rates_ns_per_byte, marks) if not s]
     if len(slow) < MIN_SLOW_PIECES:
         return None
     return statistics.fmean(slow) - statistics.fmean(fast)

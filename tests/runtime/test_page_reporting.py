@@ -6,7 +6,7 @@ import time
 import pytest
 
 from runtime.page_reporting import (PAGE_REPORTING_DELAY_S, PassWatch, balloon_reports, reported_extra,
-                                    reporting_passes, reporting_period_s)
+                                    reporting_passes, reporting_period_s, slow_pieces)
 
 
 def fake_sys(tmp_path, device="0x0005", features="0110010100", passes=None, module=True):
@@ -56,6 +56,8 @@ def test_the_pass_watch_records_when_the_counter_moves(tmp_path):
 def test_reported_pieces_and_their_extra():
     # the probe's shape: fast pieces first, then reported ones (traces/README.md)
     rates = [0.55, 0.54, 0.55, 0.59, 2.9, 3.5, 4.0, 3.8]
+    assert slow_pieces(rates) == [False] * 4 + [True] * 4  # calibrate stops after four slow in a row
+    assert slow_pieces([3.0, 3.1, 2.9, 3.2]) == [False] * 4  # no fast piece to tell reported ones by
     assert reported_extra(rates) == pytest.approx((2.9 + 3.5 + 4.0 + 3.8) / 4 - (0.55 + 0.54 + 0.55 + 0.59) / 4)
     assert reported_extra([0.4, 0.45, 0.5, 0.42, 0.6, 0.48]) is None  # all fast: none met
     assert reported_extra([0.4, 0.45, 0.5, 0.42, 1.6, 0.48]) is None  # one slow piece is not enough
