@@ -20,7 +20,7 @@ at three quarters of a reporting period (calibrate measures it) to all at one an
 reported about a period after its free, at a phase the step does not set; any page
 beyond what the rank gave back is reported (its growth comes from the guest's free
 memory at large, reported long ago). Pages that stay in glibc's heap are not the OS's
-and never reported. A real allocation meets the slow mode whole or not at all (of the
+and never reported. A real allocation meets the slow mode mostly whole or not at all (of the
 large allocations above, nine in ten were fast or slow throughout), so where the
 simulator draws its steps at random (rank noise, rank stalls) each block is drawn: its
 returned pages are all reported with their expected share as the probability, on each

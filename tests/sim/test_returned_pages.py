@@ -4,7 +4,7 @@ rule, and a simulated step that pays for large blocks on pages freed long ago.""
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
 from commsim.hardware.platform import CPU
-from commsim.sim.engine import NOISE_SAMPLES, SimConfig, Simulator, simulate
+from commsim.sim.engine import SimConfig, Simulator
 from commsim.sim.returned_pages import ReturnedPages
 from tests.sim.fixed_costs import FixedCosts
 
@@ -114,6 +114,7 @@ def test_drawn_steps_meet_the_reported_pages_per_rank_whole_or_not_at_all():
     """Per-rank mode with rank noise: each rank draws each large block on its own, so the
     second block's 64 MiB (pages freed 1.125 periods before: half reported on average)
     are reported whole on some ranks and steps and not at all on others."""
+    from commsim.sim.engine import NOISE_SAMPLES, simulate
     costs = FixedCosts()
     costs.platform = CPU
     costs.reported = (10_000_000, 0.5)
