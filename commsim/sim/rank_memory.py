@@ -9,7 +9,6 @@ about a reporting period ago or more costs extra (``returned_pages``). A mixin o
 from __future__ import annotations
 
 import itertools
-import random
 
 import simpy
 
@@ -38,10 +37,6 @@ class RankMemory:
         reported = self.cost.reported_pages()
         self.returned = ReturnedPages(reported[0]) if reported else None
         self.reported_extra_ns_per_byte = reported[1] if reported else 0.0
-        # where steps are random draws (rank noise or stalls), each block meets the
-        # reported pages whole or not at all, by this rank's own draw; else the mean
-        random_steps = self.sim.rank_noise[0] or self.sim.rank_stalls
-        self.pages_rng = random.Random(self.sim.config.seed * 15_485_863 + self.rank + 3) if random_steps else None
         self.mapped: dict[str, int] = {}  # live large (mmapped) buffer -> its written bytes
 
     def adopt_memory(self, warm: "RankMemory") -> None:
@@ -121,8 +116,7 @@ class RankMemory:
         if self.returned is None or op.size_bytes < GLIBC_MMAP_THRESHOLD_MAX_BYTES:
             return 0
         written = op.size_bytes if op.touch_bytes is None else op.touch_bytes
-        nbytes = self.returned.take(self.env.now, written,
-                                    None if self.pages_rng is None else self.pages_rng.random())
+        nbytes = self.returned.take(self.env.now, written)
         kept = self.mapped.get(op.buffer)  # the step before's block of a kept buffer: freed once replaced
         if kept:
             self.returned.returned(self.env.now, kept)

@@ -20,12 +20,8 @@ at three quarters of a reporting period (calibrate measures it) to all at one an
 reported about a period after its free, at a phase the step does not set; any page
 beyond what the rank gave back is reported (its growth comes from the guest's free
 memory at large, reported long ago). Pages that stay in glibc's heap are not the OS's
-and never reported. A real allocation meets the slow mode mostly whole or not at all (of the
-large allocations above, nine in ten were fast or slow throughout), so where the
-simulator draws its steps at random (rank noise, rank stalls) each block is drawn: its
-returned pages are all reported with their expected share as the probability, on each
-rank by its own draw, and a step that synchronises waits for the rank that met them; a
-deterministic prediction pays the expected share.
+and never reported. The share is an expectation: a real step meets the slow mode in some
+steps and not others, and the simulated step pays its mean.
 
 Each rank keeps its own returns: a rank's frees serve its own next blocks (in symmetric
 mode every rank of a node frees and allocates alike, so a node-wide pool serves each
@@ -62,13 +58,10 @@ class ReturnedPages:
         if nbytes > 0:
             self.stack.append([nbytes, now_ns])
 
-    def take(self, now_ns: int, nbytes: int, draw: float | None = None) -> int:
+    def take(self, now_ns: int, nbytes: int) -> int:
         """Fresh pages for ``nbytes`` written at ``now_ns``, the newest returns first:
-        returns how many of those bytes are reported pages: of the returned ones each
-        return's ``reported_share`` by its age (``draw``, uniform in [0, 1), given: all of
-        them when it falls below their mean share, else none), and all beyond what was
-        returned."""
-        assert draw is None or 0.0 <= draw < 1.0, "a draw is uniform in [0, 1)"
+        returns how many of those bytes are (expected to be) reported pages: each
+        return's ``reported_share`` by its age, and all beyond what was returned."""
         self._forget(now_ns)
         need, reported = nbytes, 0.0
         while need and self.stack:
@@ -79,9 +72,6 @@ class ReturnedPages:
             need -= got
             if top[0] == 0:
                 self.stack.pop()
-        if draw is not None:
-            pooled = nbytes - need
-            reported = pooled if pooled and draw < reported / pooled else 0
         return int(reported) + need
 
     def reported_share(self, age_ns: int) -> float:

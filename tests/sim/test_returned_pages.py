@@ -37,22 +37,6 @@ def test_a_take_within_three_quarters_of_a_period_is_fast_and_partial_takes_keep
     assert pool.take(1_600, 10) == 10  # nothing left: reported memory
 
 
-def test_a_draw_reports_the_returned_pages_whole_or_not_at_all():
-    """Drawn steps: a block's returned pages are all reported when the draw falls below
-    their mean share (here a quarter: 30 of 80 bytes two thirds reported), else none;
-    bytes beyond the returns are reported either way."""
-    def pool() -> ReturnedPages:
-        p = ReturnedPages(period_ns=2_000)
-        p.returned(0, 100)
-        p.returned(1_500, 50)
-        return p
-    assert pool().take(2_500, 80, draw=0.2499) == 80
-    assert pool().take(2_500, 80, draw=0.25) == 0
-    assert pool().take(2_500, 80) == 20  # no draw: the mean
-    assert pool().take(2_500, 170, draw=0.99) == 20  # 150 returned (none drawn), 20 beyond
-    assert ReturnedPages(period_ns=2_000).take(0, 30, draw=0.0) == 30
-
-
 def test_clone_moves_times_to_another_clock():
     pool = ReturnedPages(period_ns=2_000)
     pool.returned(5_000, 10)
@@ -108,26 +92,3 @@ def test_only_written_pages_go_back():
     # nothing given back before a: its 32 written MiB are reported memory; b takes the
     # 32 MiB a gave back and 32 more (a's 224 unwritten MiB never had pages)
     assert res.ranks[0].reported_page_bytes == {"bwd": 64 * MIB}
-
-
-def test_drawn_steps_meet_the_reported_pages_per_rank_whole_or_not_at_all():
-    """Per-rank mode with rank noise: each rank draws each large block on its own, so the
-    second block's 64 MiB (pages freed 1.125 periods before: half reported on average)
-    are reported whole on some ranks and steps and not at all on others."""
-    from commsim.sim.engine import NOISE_SAMPLES, simulate
-    costs = FixedCosts()
-    costs.platform = CPU
-    costs.reported = (10_000_000, 0.5)
-    sched = Schedule.uniform(2, _program(11_250_000))
-    res = simulate(Simulator(sched, costs, SimConfig(mode="per-rank", warmup_steps=1, jitter=0.0,
-                                                     rank_noise_sd=0.001, rank_noise_corr_ns=1_000_000)))
-    assert len(res.step_samples_ns) == NOISE_SAMPLES
-    outcomes = set()
-    for seed in range(4):
-        r = Simulator(sched, costs, SimConfig(mode="per-rank", seed=seed, warmup_steps=1, jitter=0.0,
-                                              rank_noise_sd=0.001, rank_noise_corr_ns=1_000_000)).run()
-        for rank in r.ranks.values():
-            outcomes.add(rank.reported_page_bytes.get("optimizer", 0))
-    # a's block reuses b's pages freed at the step before's end (fresh): never reported;
-    # b's are reported whole or not at all
-    assert outcomes == {0, 64 * MIB}
