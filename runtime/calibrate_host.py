@@ -22,7 +22,7 @@ from commsim.ir.schedule import Program, Schedule
 from runtime.calibrate_cpu import cpu_cores
 from runtime.calibrate_profile import host_memory
 from runtime.executor import RankExecutor, RankOptions
-from runtime.page_reporting import balloon_reports, reported_extra, reporting_period_s, slow_pieces
+from runtime.page_reporting import balloon_reports, reported_extra, reported_met, reporting_period_s
 from runtime.timing import HostTimer, latency_bandwidth, per_call
 
 # the most a rank holds to find reported pages: past the guest's unreported free pages
@@ -209,7 +209,7 @@ class HostMeasurements:
         the kernel's pass counter moved during the calibration (``pass_times_s``:
         ``page_reporting.PassWatch``), else the kernel's delay. The extra: fresh 64 MiB
         blocks written and held, in turns as ``alloc`` does, until four in a row come
-        back slow or REPORTED_BUDGET_BYTES are held (half with ``quick``): the first
+        back slow (``reported_met``: after eight at least) or REPORTED_BUDGET_BYTES are held (half with ``quick``): the first
         blocks take the free pages the guest has not reported yet, the rest reported
         ones."""
         if self.platform.caching_allocator or not balloon_reports():
@@ -229,7 +229,7 @@ class HostMeasurements:
                 x.fill_(1)
                 rates.append((clock() - t0) / piece / share * 1e9)
                 held.append(x)
-                if len(rates) >= 5 and all(slow_pieces(rates)[-4:]):
+                if reported_met(rates):
                     break
             del held
         extra = reported_extra(rates)

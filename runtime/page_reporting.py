@@ -31,6 +31,9 @@ VIRTIO_BALLOON_F_REPORTING = 5
 SLOW_FACTOR = 2.5
 # reported pieces needed before their rate is trusted
 MIN_SLOW_PIECES = 2
+# pieces timed before the probe may stop: the fast reference is the median of the
+# fastest quarter, one piece below eight, which one outlier then sets
+MIN_PIECES_TO_STOP = 8
 
 
 def balloon_reports(sys_root: str = "/sys") -> bool:
@@ -107,6 +110,12 @@ def slow_pieces(rates_ns_per_byte: list[float]) -> list[bool]:
     ordered = sorted(rates_ns_per_byte)
     fast_ref = statistics.median(ordered[:max(1, len(ordered) // 4)]) if ordered else 0.0
     return [r > SLOW_FACTOR * fast_ref for r in rates_ns_per_byte]
+
+
+def reported_met(rates_ns_per_byte: list[float]) -> bool:
+    """Whether a probe of successive fresh pieces may stop: the last four reported
+    pages, with at least MIN_PIECES_TO_STOP pieces timed."""
+    return len(rates_ns_per_byte) >= MIN_PIECES_TO_STOP and all(slow_pieces(rates_ns_per_byte)[-4:])
 
 
 def reported_extra(rates_ns_per_byte: list[float]) -> float | None:

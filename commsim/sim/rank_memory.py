@@ -137,7 +137,7 @@ class RankMemory:
         block = self.blocks.pop(op.buffer)
         home = self.block_stream.pop(op.buffer)
         key = self.heap_keys.pop(op.buffer, None) if self.heap is not None else None
-        mapped = self.mapped.pop(op.buffer, 0) if self.mapped else 0  # empty but on a reporting VM
+        mapped = self.mapped.pop(op.buffer, 0) if self.mapped else 0  # filled only on a reporting VM
         # record_stream: the block returns once every other stream that used it has
         # passed this point (an event recorded on each at free time).
         evs = [self.last_issued[s] for s in self.buffer_streams.pop(op.buffer, ()) if s != home

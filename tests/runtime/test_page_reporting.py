@@ -6,7 +6,7 @@ import time
 import pytest
 
 from runtime.page_reporting import (PAGE_REPORTING_DELAY_S, PassWatch, balloon_reports, reported_extra,
-                                    reporting_passes, reporting_period_s, slow_pieces)
+                                    reported_met, reporting_passes, reporting_period_s, slow_pieces)
 
 
 def fake_sys(tmp_path, device="0x0005", features="0110010100", passes=None, module=True):
@@ -58,6 +58,11 @@ def test_reported_pieces_and_their_extra():
     rates = [0.55, 0.54, 0.55, 0.59, 2.9, 3.5, 4.0, 3.8]
     assert slow_pieces(rates) == [False] * 4 + [True] * 4  # calibrate stops after four slow in a row
     assert slow_pieces([3.0, 3.1, 2.9, 3.2]) == [False] * 4  # no fast piece to tell reported ones by
+    assert reported_met(rates) and not reported_met(rates[:7])
+    # five pieces, one unusually fast: the other four look slow beside it alone, so the
+    # probe goes on (a quick calibration stopped here with an extra of 0.56 ns a byte)
+    few = [0.30, 0.80, 0.85, 0.90, 0.82]
+    assert all(slow_pieces(few)[-4:]) and not reported_met(few)
     assert reported_extra(rates) == pytest.approx((2.9 + 3.5 + 4.0 + 3.8) / 4 - (0.55 + 0.54 + 0.55 + 0.59) / 4)
     assert reported_extra([0.4, 0.45, 0.5, 0.42, 0.6, 0.48]) is None  # all fast: none met
     assert reported_extra([0.4, 0.45, 0.5, 0.42, 1.6, 0.48]) is None  # one slow piece is not enough
