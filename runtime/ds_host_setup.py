@@ -92,11 +92,12 @@ def stub_cuda(torch) -> None:
 
 def shim_old_release(torch) -> None:
     """What 0.5.x / 0.6.0 import that torch 2 and numpy 2 no longer have."""
-    six = types.ModuleType("torch._six")
-    six.inf = float("inf")
-    six.string_classes = (str, bytes)
-    six.int_classes = int
-    sys.modules["torch._six"] = six
+    if importlib.util.find_spec("torch._six") is None:  # torch 2 removed it; torch 1.x has its own
+        six = types.ModuleType("torch._six")
+        six.inf = float("inf")
+        six.string_classes = (str, bytes)
+        six.int_classes = int
+        sys.modules["torch._six"] = six
     import numpy
 
     if not hasattr(numpy, "BUFSIZE"):
@@ -110,8 +111,21 @@ def shim_old_release(torch) -> None:
 
 
 def fake_world(world: int) -> None:
+    """A process group of ``world`` ranks without a network: torch's fake backend, or,
+    on a torch before it (1.x: the seed era's software, run for comparison from a venv of
+    its own), a one-rank gloo group whose rank and size queries answer rank 0 of
+    ``world`` (the collectives the routines call are no-ops either way, so only the
+    queries reach the group)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    if dist.is_initialized():
+        return
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.get_world_size = lambda group=None: world
+        dist.get_rank = lambda group=None: 0
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

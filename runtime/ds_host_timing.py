@@ -129,11 +129,15 @@ def primitives(torch, world: int) -> dict:
     import torch.distributed as dist
 
     x = torch.zeros(256)
-    y = torch.zeros(world * 4)
+    # the fake backend's world, or (torch 1.x: ds_host_setup.fake_world) a real one-rank
+    # gloo group under torch 1.x's name for the call
+    fake = dist.get_backend() == "fake"
+    gather = dist.all_gather_into_tensor if hasattr(dist, "all_gather_into_tensor") else dist._all_gather_base
+    y = torch.zeros((world if fake else 1) * 4)
     z = torch.zeros(4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        c10d = time_call(lambda: dist.all_gather_into_tensor(y, z, async_op=True), n=2000)
+        c10d = time_call(lambda: gather(y, z, async_op=True), n=2000)
     flat = torch.zeros(CHUNK_VIEWS * 64)
     chunk = (time_call(lambda: torch.chunk(flat, CHUNK_VIEWS), n=500)
              - time_call(lambda: torch.chunk(flat, 2), n=500)) / (CHUNK_VIEWS - 2)

@@ -16,6 +16,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint  # noqa: F401  (torch 1.x does not import it with torch)
 from torch import nn
 
 from commsim.models.transformer import TransformerConfig

@@ -193,3 +193,24 @@ def test_deepspeeds_host_costs_join_the_calibrations_own():
     assert merge_host_costs(mine, ds) == {"launch_ns": 9999, "collective_launch_ns": 0, "module_hook_ns": 30000,
                                           "source": "launches timed; DeepSpeed timed"}
     assert merge_host_costs(None, ds) == ds and merge_host_costs(ds, ds)["source"] == "DeepSpeed timed"
+
+
+def test_without_torchs_fake_backend_the_world_is_one_gloo_rank_answering_the_seeds_size():
+    # torch 1.x (the seed era's software, timed for comparison: traces/README.md) has no
+    # fake backend; hidden here, fake_world takes a one-rank gloo group whose queries
+    # answer rank 0 of the given world, and the c10d primitive times a real call on it
+    code = """
+import sys
+sys.modules["torch.testing._internal.distributed.fake_pg"] = None
+import torch, torch.distributed as dist
+from runtime.ds_host_setup import fake_world
+from runtime.ds_host_timing import primitives
+fake_world(64)
+assert dist.get_backend() == "gloo" and dist.get_world_size() == 64 and dist.get_rank() == 0
+p = primitives(torch, 64)
+assert p["c10d_all_gather_ns"] > 0 and p["torch_op_ns"] > 0, p
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
