@@ -166,11 +166,12 @@ class Simulator:
         """A kernel of ``rank`` started or ended, moving ``delta`` bytes/s of HBM more: the
         HBM its collectives get changes. Re-plan the rates only if that limit binds (or
         bound) a transfer, as re-planning every transfer at every kernel would be slow."""
+        if not self.sims[rank].taken.collectives or not self.network.active:
+            self.kernel_hbm[rank] = self.kernel_hbm.get(rank, 0.0) + delta  # nothing to re-plan
+            return
         link = Link(LinkKind.HBM, rank)
         before = self._capacity(link)
         self.kernel_hbm[rank] = self.kernel_hbm.get(rank, 0.0) + delta
-        if not self.sims[rank].taken.collectives or not self.network.active:
-            return
         used = self.network.throughput(link)
         if used and min(before, self._capacity(link)) <= used * (1 + 1e-9):
             self.network.refresh()
