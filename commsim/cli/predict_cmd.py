@@ -52,7 +52,7 @@ def report_lines(pred, seed: int) -> list[str]:
                f"{m.alloc_retries}, cache flushes {m.alloc_flushes}")
     first = pred.result.ranks[min(pred.result.ranks)]
     fresh = first.fresh_page_bytes
-    if fresh:  # a framework's CPU run: the host pages its tensors' first writes fault, a step
+    if fresh:  # a CPU run: the host pages a framework's tensors and gloo's temporaries first write, a step
         out.append(f"{'fresh host pages':<22}" + ", ".join(f"{p} {b / 2**20:.0f} MiB" for p, b in fresh.items())
                    + " a step (rank 0; the first write of each faults)")
     reported = first.reported_page_bytes

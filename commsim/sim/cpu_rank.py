@@ -12,16 +12,31 @@ can hold the host thread (gloo's reduce-scatter works on the caller's thread): t
 pays that measured time before its next op. A collective after which its rank computes
 (rather than issuing another collective) takes its measured stall on top
 (``followed_by_compute``; ``CollectivePlan.stall_ns``).
+
+gloo's all-gather and reduce-scatter on one tensor work on a temporary of the whole
+buffer (torch 2.13: ``_reduce_scatter_base_`` clones its input on the caller's thread
+and all-reduces the clone; the all-gather writes a temporary of the output; measured:
+one call's fresh pages equal the buffer). At glibc's mmap ceiling and above it is
+mapped and unmapped around each call, so on a VM that reports free memory it takes the
+rank's returned pages like any large block (``RankMemory._reported_ns``) and gives them
+back when the collective ends. The calibrated collective already pays fresh pages (its
+back-to-back calls reuse pages returned a moment before, never reported): only the
+reported share's extra is added, on the caller's thread for the reduce-scatter's clone.
 """
+
 
 from __future__ import annotations
 
 import simpy
 
 from commsim.ir import ops as O
+from commsim.hardware.profile import GLIBC_MMAP_THRESHOLD_MAX_BYTES
 from commsim.ir.schedule import Program
 from commsim.sim.rank import RankSim
 from commsim.sim.records import OpRecord
+
+# the collectives whose gloo call works on a temporary of the whole buffer (size_bytes)
+GLOO_TEMPORARY = (O.CollectiveKind.ALL_GATHER, O.CollectiveKind.REDUCE_SCATTER)
 
 
 def followed_by_compute(program: Program) -> frozenset[O.OpId]:
@@ -101,7 +116,22 @@ class CpuRank(RankSim):
         call_ns = self.cost.collective(op).call_ns
         if call_ns:
             self.host_debt_ns += self._speed(call_ns)
-        return (yield from super()._collective(op, seq))
+        temp = op.size_bytes if (op.kind in GLOO_TEMPORARY and op.size_bytes >= GLIBC_MMAP_THRESHOLD_MAX_BYTES) else 0
+        if temp:
+            nbytes = self.returned.take(self.env.now, temp) if self.returned is not None else 0
+            if nbytes:
+                pages = self.result.reported_page_bytes
+                pages[op.phase.value] = pages.get(op.phase.value, 0) + nbytes
+                extra = self._speed(int(nbytes * self.reported_extra_ns_per_byte))
+                if op.kind is O.CollectiveKind.REDUCE_SCATTER:
+                    self.host_debt_ns += extra  # the clone holds the caller
+                yield self.env.timeout(extra)  # the temporary's writes come before the rank's part
+            fresh = self.result.fresh_page_bytes
+            fresh[op.phase.value] = fresh.get(op.phase.value, 0) + temp
+        out = yield from super()._collective(op, seq)
+        if temp and self.returned is not None:
+            self.returned.returned(self.env.now, temp)  # unmapped at the call's end
+        return out
 
     def await_ticket(self, ticket: int):
         """A collective goes to the backend only after every collective the host issued

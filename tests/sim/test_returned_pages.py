@@ -92,3 +92,48 @@ def test_only_written_pages_go_back():
     # nothing given back before a: its 32 written MiB are reported memory; b takes the
     # 32 MiB a gave back and 32 more (a's 224 unwritten MiB never had pages)
     assert res.ranks[0].reported_page_bytes == {"bwd": 64 * MIB}
+
+
+def _gloo_step(kind: O.CollectiveKind, size: int, reported, block_before: bool = False, block_after: bool = False):
+    """Two CPU ranks: optionally a 64 MiB block freed right before, one collective of
+    ``size`` bytes, optionally a 64 MiB block right after."""
+    costs = FixedCosts(gpus_per_node=2, link_bytes_per_s=1e12)
+    costs.platform = CPU
+    costs.reported = reported
+    ops = []
+    if block_before:
+        ops += [O.Alloc(O.OpId(1), "compute", "a", "a", 64 * MIB, phase=O.Phase.BACKWARD),
+                O.Free(O.OpId(2), "compute", "free a", "a")]
+    red = O.ReduceOp.SUM if kind is not O.CollectiveKind.ALL_GATHER else None
+    ops.append(O.Collective(O.OpId(3), "comm", "c", kind, size, O.DType.FP32, (0, 1), reduce_op=red,
+                            phase=O.Phase.BACKWARD))
+    if block_after:
+        ops += [O.HostSync(O.OpId(4), "wait c", O.SyncScope.OPS, deps=(O.OpId(3),)),
+                O.Alloc(O.OpId(5), "compute", "b", "b", 64 * MIB, phase=O.Phase.BACKWARD),
+                O.Free(O.OpId(6), "compute", "free b", "b")]
+    res = Simulator(Schedule.uniform(2, Program((), tuple(ops))), costs, SimConfig(warmup_steps=0, jitter=0.0)).run()
+    return res.step_time_ns, res.ranks[0]
+
+
+def test_gloos_whole_buffer_temporaries_take_and_give_back_large_blocks_pages():
+    extra = 0.5  # ns a byte over a fast page
+    rs = O.CollectiveKind.REDUCE_SCATTER
+    plain, _ = _gloo_step(rs, 64 * MIB, None)
+    # nothing returned before: the reduce-scatter's clone of its 64 MiB input is all
+    # reported memory (the caller's thread writes it before its part goes out), and it
+    # counts as the phase's fresh pages
+    cold, r = _gloo_step(rs, 64 * MIB, (10_000_000, extra))
+    assert cold - plain == int(64 * MIB * extra)
+    assert r.reported_page_bytes == {"bwd": 64 * MIB} and r.fresh_page_bytes == {"bwd": 64 * MIB}
+    # on pages a block gave back just before: fast (the block itself, first, was not)
+    t, r = _gloo_step(rs, 64 * MIB, (10_000_000, extra), block_before=True)
+    assert r.reported_page_bytes == {"bwd": 64 * MIB}
+    assert t - _gloo_step(rs, 64 * MIB, None, block_before=True)[0] == int(64 * MIB * extra)
+    # the all-gather's temporary of its output alike; the clone is given back when the
+    # call ends, so a block right after it takes those pages, fast
+    _, r = _gloo_step(O.CollectiveKind.ALL_GATHER, 64 * MIB, (10_000_000, extra), block_after=True)
+    assert r.reported_page_bytes == {"bwd": 64 * MIB}
+    # an all-reduce works in place, and a buffer below glibc's mmap ceiling stays in the heap
+    for kind, size in ((O.CollectiveKind.ALL_REDUCE, 64 * MIB), (rs, 16 * MIB)):
+        t, r = _gloo_step(kind, size, (10_000_000, extra))
+        assert t == _gloo_step(kind, size, None)[0] and r.reported_page_bytes == {}
