@@ -24,13 +24,12 @@ back-to-back calls reuse pages returned a moment before, never reported): only t
 reported share's extra is added, on the caller's thread for the reduce-scatter's clone.
 """
 
-
 from __future__ import annotations
 
 import simpy
 
-from commsim.ir import ops as O
 from commsim.hardware.profile import GLIBC_MMAP_THRESHOLD_MAX_BYTES
+from commsim.ir import ops as O
 from commsim.ir.schedule import Program
 from commsim.sim.rank import RankSim
 from commsim.sim.records import OpRecord
@@ -125,7 +124,7 @@ class CpuRank(RankSim):
                 extra = self._speed(int(nbytes * self.reported_extra_ns_per_byte))
                 if op.kind is O.CollectiveKind.REDUCE_SCATTER:
                     self.host_debt_ns += extra  # the clone holds the caller
-                yield self.env.timeout(extra)  # the temporary's writes come before the rank's part
+                yield self.env.timeout(extra)  # the rank's part waits for its temporary's writes
             fresh = self.result.fresh_page_bytes
             fresh[op.phase.value] = fresh.get(op.phase.value, 0) + temp
         out = yield from super()._collective(op, seq)
