@@ -117,11 +117,9 @@ class CpuRank(RankSim):
             self.host_debt_ns += self._speed(call_ns)
         temp = op.size_bytes if (op.kind in GLOO_TEMPORARY and op.size_bytes >= GLIBC_MMAP_THRESHOLD_MAX_BYTES) else 0
         if temp:
-            nbytes = self.returned.take(self.env.now, temp) if self.returned is not None else 0
-            if nbytes:
-                pages = self.result.reported_page_bytes
-                pages[op.phase.value] = pages.get(op.phase.value, 0) + nbytes
-                extra = self._speed(int(nbytes * self.reported_extra_ns_per_byte))
+            extra = self._take_returned(temp, op.phase) if self.returned is not None else 0
+            if extra:
+                extra = self._speed(extra)  # (the rank's speed draws only for time it spends)
                 if op.kind is O.CollectiveKind.REDUCE_SCATTER:
                     self.host_debt_ns += extra  # the clone holds the caller
                 yield self.env.timeout(extra)  # the rank's part waits for its temporary's writes

@@ -116,14 +116,20 @@ class RankMemory:
         if self.returned is None or op.size_bytes < GLIBC_MMAP_THRESHOLD_MAX_BYTES:
             return 0
         written = op.size_bytes if op.touch_bytes is None else op.touch_bytes
-        nbytes = self.returned.take(self.env.now, written)
+        extra = self._take_returned(written, op.phase)
         kept = self.mapped.get(op.buffer)  # the step before's block of a kept buffer: freed once replaced
         if kept:
             self.returned.returned(self.env.now, kept)
         self.mapped[op.buffer] = written  # unmapped at free: pages only where written
+        return extra
+
+    def _take_returned(self, written: int, phase: O.Phase) -> int:
+        """Fresh pages for ``written`` bytes of a large block now: the reported ones are
+        counted in ``phase`` and their extra (ns) returned. Needs ``self.returned``."""
+        nbytes = self.returned.take(self.env.now, written)
         if nbytes:
             pages = self.result.reported_page_bytes
-            pages[op.phase.value] = pages.get(op.phase.value, 0) + nbytes
+            pages[phase.value] = pages.get(phase.value, 0) + nbytes
         return int(nbytes * self.reported_extra_ns_per_byte)
 
     def _release(self, block: Block, heap_key: str | None, mapped_bytes: int = 0) -> None:

@@ -95,6 +95,7 @@ class FSDP2Lowering(FSDP2Kernels):
                  host_blocking: bool = False):
         assert checkpoint_style in CHECKPOINT_STYLES, checkpoint_style
         self.md, self.cfg, self.costs = md, cfg, costs
+        self.param_names: dict[str, tuple[str, ...]] = {}  # module path -> its parameters' buffers (_params_of)
         self.foreach = foreach  # torch's AdamW default: foreach on GPUs, single-tensor on CPUs
         self.checkpointing, self.style = checkpointing, checkpoint_style
         self.layout = FSDP2Layout.build(md, world_size, cfg)

@@ -49,10 +49,9 @@ class FSDP2Kernels:
     def _params_of(self, m: ModuleSpec) -> tuple[str, ...]:
         # once per module: every kernel of every micro-step reads the same names, and a
         # module that holds the whole model (the root) has thousands
-        cache = self.__dict__.setdefault("_param_names", {})
-        names = cache.get(m.path)
+        names = self.param_names.get(m.path)
         if names is None:
-            names = cache[m.path] = tuple(dict.fromkeys(f"param:{p.name}" for p in m.params))
+            names = self.param_names[m.path] = tuple(dict.fromkeys(f"param:{p.name}" for p in m.params))
         return names
 
     def _grads_for(self, g: _Group, m: ModuleSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
