@@ -83,13 +83,17 @@ class PassWatch:
         self._thread: threading.Thread | None = None
 
     def start(self) -> "PassWatch":
-        if reporting_passes(self.sys_root) is not None:
-            self._thread = threading.Thread(target=self._run, name="page-reporting-passes", daemon=True)
+        # the count at start is read here, not on the thread, so that a move right after
+        # start is not taken for the baseline when the thread is scheduled late
+        first = reporting_passes(self.sys_root)
+        if first is not None:
+            self._thread = threading.Thread(target=self._run, args=(first,), name="page-reporting-passes",
+                                            daemon=True)
             self._thread.start()
         return self
 
-    def _run(self) -> None:
-        last = reporting_passes(self.sys_root)
+    def _run(self, first: int) -> None:
+        last: int | None = first
         while not self._stop.wait(self.SAMPLE_S):
             now = reporting_passes(self.sys_root)
             if now is not None and last is not None and now != last:

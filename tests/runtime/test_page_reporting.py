@@ -43,11 +43,17 @@ def test_the_pass_watch_records_when_the_counter_moves(tmp_path):
     root = fake_sys(tmp_path, passes=5)
     counter = tmp_path / "module" / "page_reporting" / "parameters" / "passes"
     watch = PassWatch(root).start()
-    time.sleep(5 * PassWatch.SAMPLE_S)
-    counter.write_text("6\n")
-    time.sleep(5 * PassWatch.SAMPLE_S)
+    counter.write_text("6\n")  # right after start: a move, even if the thread starts late
+
+    def seen(n):  # wait for the sampler (a loaded machine may hold it back for long)
+        deadline = time.monotonic() + 30
+        while len(watch.times_s) < n and time.monotonic() < deadline:
+            time.sleep(PassWatch.SAMPLE_S)
+
+    seen(1)
     counter.write_text("8\n")
-    time.sleep(5 * PassWatch.SAMPLE_S)
+    seen(2)
+    time.sleep(5 * PassWatch.SAMPLE_S)  # no further move: no further time
     times = watch.stop()
     assert len(times) == 2 and times[0] < times[1]
     assert PassWatch(fake_sys(tmp_path / "upstream")).start().stop() == []  # no counter: no thread, no times
