@@ -25,6 +25,13 @@ EXECUTOR_WARMUP = 2
 DEEPSPEED_WARMUP = 3
 # FSDP2 initialises lazily in its first forward and AdamW its state in the first step()
 FSDP2_WARMUP = 2
+# Measured steps a run. A row's step is the median of its measured steps, and on this
+# VM a framework's steps spread 1.2-1.6 s within one run (DS small z3; in some runs two
+# modes 0.4 s apart): resampling a 20-step run's steps, the median of 5 wanders by
+# 5.1% (one standard deviation), of 12 by 3.1%, of 16 by 2.6% (traces/README.md,
+# "How many steps a run"). Twelve keep that sampling error well below the grid's 5%
+# bar for a few seconds a run.
+MEASURED_STEPS = 12
 # the work folder's list of the rows it measured, in the order of its numbered files
 MANIFEST = "rows.json"
 

@@ -73,8 +73,8 @@ from runtime.fsdp2_host_costs import measure_for_profile as measure_fsdp2_hooks 
 from linked_namespaces import LinkedNamespaces  # noqa: E402
 from local_grid import GRID, LINK_RATE, Row, row_config, row_key, scenario  # noqa: E402
 from machine_load import between, load_line, snapshot  # noqa: E402
-from local_report import (DEEPSPEED_WARMUP, EXECUTOR_WARMUP, FSDP2_WARMUP, MANIFEST, fresh_pages,  # noqa: E402
-                          measured_phases, median_step_s, report_row, report_totals, reported_pages,
+from local_report import (DEEPSPEED_WARMUP, EXECUTOR_WARMUP, FSDP2_WARMUP, MANIFEST, MEASURED_STEPS,  # noqa: E402
+                          fresh_pages, measured_phases, median_step_s, report_row, report_totals, reported_pages,
                           stored_step_s)
 
 
@@ -163,7 +163,7 @@ def main() -> None:
     if os.geteuid() != 0 and any(r.runner in LINK_RATE for r in rows):
         print("not root: the slow-link / fast-link rows (network namespaces) are skipped", flush=True)
         rows = [r for r in rows if r.runner not in LINK_RATE]
-    steps = 2 if args.quick else 5
+    steps = 2 if args.quick else MEASURED_STEPS
     work = Path(tempfile.mkdtemp(prefix="commsim-validate-"))
     # which row each numbered file belongs to, for bench/repredict_local.py
     (work / MANIFEST).write_text(json.dumps({"rows": [r.name for r in rows], "repeats": args.repeats,
