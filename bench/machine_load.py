@@ -17,16 +17,27 @@ traces/README.md, "DeepSpeed's routines inside a real step"), and the kernel kee
 reporting long after a process frees memory (about 16 MiB a second for 20 s after a
 two-rank calibration exits on this VM, and some MiB a second while idle).
 
+Such a guest keeps some of its freed memory unreported (about 1 GiB here: its
+``max_waiting_mib``) and reports what lies above that, a pass about every 2 s, 100-330
+MiB a pass (``bench/page_pool.py``; traces/README.md, "The guest's unreported memory").
+A calibration's probes and a run's exit free gigabytes, so the next run or calibration
+would measure beside tens of seconds of passes, and a pass reports pages its ranks
+freed a moment before (slow when taken again). ``settle`` waits until the passes report
+no more than an idle guest's few MiB, so that every run and calibration starts from the
+steady state a training job is in.
+
 ``snapshot`` reads the kernel's counters (Linux; elsewhere it returns None and nothing
-is reported); ``between`` and ``parse_proc_stat`` are pure.
+is reported); ``between``, ``parse_proc_stat`` and ``settle`` (given its clock) are pure.
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,11 @@ class Snapshot:
 
 
 REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
+# settle: a window longer than one reporting period (2.05 s measured), and what an idle
+# guest's passes report in one (4-22 MiB a pass measured; 100-330 while above its cap)
+SETTLE_WINDOW_S = 3.0
+SETTLE_QUIET_MIB = 32.0
+SETTLE_MAX_S = 90.0
 
 
 @dataclass(frozen=True)
@@ -115,3 +131,29 @@ def between(a: Snapshot | None, b: Snapshot | None, hz: int | None = None) -> Ma
     reported = (None if a.reported_kib is None or b.reported_kib is None
                 else max(0, b.reported_kib - a.reported_kib) / 1024)
     return MachineLoad(others=min(1.0, others), steal=(b.ticks.steal - a.ticks.steal) / total, reported_mib=reported)
+
+
+def reported_kib_now(path: Path = REPORTED_KIB) -> int | None:
+    """The guest's reported memory so far, KiB (None where the kernel keeps no count)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def settle(read: Callable[[], int | None] = reported_kib_now, sleep: Callable[[float], None] = time.sleep,
+           clock: Callable[[], float] = time.monotonic, max_s: float = SETTLE_MAX_S) -> tuple[float, float]:
+    """Wait until a window of ``SETTLE_WINDOW_S`` reports at most ``SETTLE_QUIET_MIB``
+    (or ``max_s`` passed); (seconds waited, MiB reported meanwhile). No wait where the
+    kernel keeps no count."""
+    first = prev = read()
+    if first is None:
+        return 0.0, 0.0
+    start = clock()
+    while True:
+        sleep(SETTLE_WINDOW_S)
+        now = read()
+        if now is None or (now - prev) / 1024 <= SETTLE_QUIET_MIB or clock() - start >= max_s:
+            break
+        prev = now
+    return clock() - start, max(0, (now if now is not None else prev) - first) / 1024

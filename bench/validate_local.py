@@ -37,7 +37,11 @@ each phase's fresh host pages a step, the simulated heap's against the minor pag
 faults the run counted; and what else the machine ran beside each run and calibration
 (``bench/machine_load.py``: the share of CPU time other processes used, the share the
 hypervisor stole and, in a VM that reports freed memory to its host, the MiB reported
-meanwhile), so a row measured on a busy machine is not read as a model error.
+meanwhile), so a row measured on a busy machine is not read as a model error. In such
+a VM every run and calibration first waits until the guest's passes report no more than
+an idle guest's few MiB (``machine_load.settle``; ``--no-settle`` starts at once): the
+gigabytes a calibration or a run frees would otherwise be reported during the next
+one, with pages its ranks freed a moment before among them.
 Measured figures are the median over the measured steps everywhere. Ends with two lines:
 ``median |error| = X%  max |error| = Y%  rows = N`` (step time) and
 ``phases: median |error| = X%  max |error| = Y%  rows = N``. The history of
@@ -72,7 +76,7 @@ from runtime.fsdp2_host_costs import measure_for_profile as measure_fsdp2_hooks 
 
 from linked_namespaces import LinkedNamespaces  # noqa: E402
 from local_grid import GRID, LINK_RATE, Row, row_config, row_key, scenario  # noqa: E402
-from machine_load import between, load_line, snapshot  # noqa: E402
+from machine_load import between, load_line, settle, snapshot  # noqa: E402
 from local_report import (DEEPSPEED_WARMUP, EXECUTOR_WARMUP, FSDP2_WARMUP, MANIFEST, MEASURED_STEPS,  # noqa: E402
                           fresh_pages, measured_phases, median_step_s, report_row, report_totals, reported_pages,
                           stored_step_s)
@@ -139,6 +143,9 @@ def main() -> None:
                     help="keep only the row of this name (repeatable), e.g. --row 'small z2'")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="one calibration per rank count and link before the rows, not one per row")
+    ap.add_argument("--no-settle", action="store_true",
+                    help="start each run and calibration at once, without waiting for the guest's page "
+                         "reporting to settle (machine_load.settle; a VM whose balloon takes freed memory)")
     ap.add_argument("--before-only", action="store_true",
                     help="calibrate each row only before it runs (default: before and after, and predict with the "
                          "mean of the two, so one slow minute of the machine counts half)")
@@ -237,9 +244,19 @@ def main() -> None:
         return measure_executor(row, sched_path, out, steps)
 
     cal_loads: list = []  # the machine beside each calibration of the current row
+    settles: list[str] = []  # the current row's waits for the guest's page reporting
+
+    def settled(what: str) -> None:
+        """Let the guest report what the last run or calibration freed above what it keeps
+        (machine_load.settle) before the next one measures."""
+        if not args.no_settle:
+            waited, mib = settle()
+            if waited:
+                settles.append(f"{what} {waited:.0f} s/{mib:.0f} MiB")
 
     def calibrated(row: Row, i: int, name: str) -> Path:
         path = work / f"profile{i}{name}.json"
+        settled("calibration")
         before = snapshot()
         calibrate(row_key(row), path, row_shapes[i])
         cal_loads.append(between(before, snapshot()))
@@ -253,6 +270,7 @@ def main() -> None:
         cfg_path = work / f"{'fsdp' if row.fsdp is not None else 'ds'}{i}.json"
         cfg_path.write_text(json.dumps(row_config(row)))
         cal_loads.clear()
+        settles.clear()
         run_loads = []
         # cals[k]: the machine's state right before repeat k (and, but for --before-only,
         # cals[k + 1] right after it): calibrate, run, calibrate, run, ..., calibrate
@@ -277,6 +295,7 @@ def main() -> None:
         for k in range(args.repeats):
             tag = "" if k == 0 else f".{k + 1}"
             out = work / f"measured{i}{tag}.json"
+            settled("run")
             before = snapshot()
             meass.append(measure(row, cfg_path, sched_path, out))
             run_loads.append(between(before, snapshot()))
@@ -315,6 +334,9 @@ def main() -> None:
         row_err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, args.repeats, page_runs,
                                                reported_runs)
         line = load_line(run_loads, cal_loads)
+        if line and settles:
+            line += ("\n    waited for the guest's page reporting before each (seconds/MiB reported): "
+                     + ", ".join(settles))
         if line:
             print(line, flush=True)
             (work / f"load{i}.txt").write_text(line.strip() + "\n")  # for bench/repredict_local.py

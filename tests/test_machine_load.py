@@ -85,3 +85,37 @@ def test_this_machine_is_read_between_two_snapshots():
     sum(i * i for i in range(300_000))  # some ticks of this process's own
     load = ml.between(a, ml.snapshot())
     assert load is None or (0.0 <= load.others <= 1.0 and 0.0 <= load.steal <= 1.0)
+
+
+class FakeGuest:
+    """A reported-KiB counter that grows by a given MiB in each settle window."""
+
+    def __init__(self, mib_per_window: list[float]):
+        self.kib = 1000
+        self.steps = list(mib_per_window)
+        self.t = 0.0
+
+    def read(self):
+        return self.kib
+
+    def sleep(self, s):
+        self.t += s
+        self.kib += int(self.steps.pop(0) * 1024) if self.steps else 0
+
+    def clock(self):
+        return self.t
+
+
+def test_settle_waits_until_a_window_reports_no_more_than_an_idle_guest():
+    g = FakeGuest([300, 250, 120, 20, 300])  # passes above the cap, then an idle window
+    waited, mib = ml.settle(g.read, g.sleep, g.clock)
+    assert waited == 4 * ml.SETTLE_WINDOW_S and mib == 690  # stops at the 20 MiB window
+    g = FakeGuest([10])
+    assert ml.settle(g.read, g.sleep, g.clock) == (ml.SETTLE_WINDOW_S, 10)  # already settled: one window
+
+
+def test_settle_gives_up_after_its_limit_and_never_waits_without_a_counter():
+    g = FakeGuest([100] * 50)
+    waited, mib = ml.settle(g.read, g.sleep, g.clock, max_s=10)
+    assert waited == 4 * ml.SETTLE_WINDOW_S and mib == 400  # the first window at or past 10 s
+    assert ml.settle(lambda: None, lambda s: pytest.fail("slept"), lambda: 0.0) == (0.0, 0.0)
