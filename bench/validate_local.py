@@ -1,6 +1,6 @@
 """Local validation: predictions with a calibrated profile against real runs on this machine.
 
-    python bench/validate_local.py                 # the full grid (about 50 minutes on 2 cores)
+    python bench/validate_local.py                 # the full grid (about two and a half hours on 2 cores)
     python bench/validate_local.py --quick         # 8 rows, shorter runs, one run each
     python bench/validate_local.py --traces traces # also keep the measured traces (and their schedules and profiles) there
 

@@ -11,7 +11,9 @@ faults in the hypervisor as well. A pass runs ``PAGE_REPORTING_DELAY`` (2 s,
 ``mm/page_reporting.c``) after a free asks for one, so while a process frees memory the
 passes come every delay plus a pass; kernels that count their passes
 (``/sys/module/page_reporting/parameters/passes``) let calibrate time them (2.05 s on
-this project's VM).
+this project's VM). Some guests keep part of their freed memory unreported: this
+project's Firecracker kernels list ``max_waiting_mib`` (1024) and report only what lies
+above about that much, 100-330 MiB a pass (``bench/page_pool.py`` measures it).
 """
 
 from __future__ import annotations
