@@ -21,10 +21,10 @@ Such a guest keeps some of its freed memory unreported (about 1 GiB here: its
 ``max_waiting_mib``) and reports what lies above that, a pass about every 2 s, 100-330
 MiB a pass (``bench/page_pool.py``; traces/README.md, "The guest's unreported memory").
 A calibration's probes and a run's exit free gigabytes, so the next run or calibration
-would measure beside tens of seconds of passes, and a pass reports pages its ranks
-freed a moment before (slow when taken again). ``settle`` waits until the passes report
-no more than an idle guest's few MiB, so that every run and calibration starts from the
-steady state a training job is in.
+would measure beside tens of seconds of passes, which may report pages its ranks freed a
+moment before (slow when taken again). ``settle`` waits until the passes report no more
+than an idle guest's few MiB, so that every run and calibration starts from the same
+state, the steady one a training job is in.
 
 ``snapshot`` reads the kernel's counters (Linux; elsewhere it returns None and nothing
 is reported); ``between``, ``parse_proc_stat`` and ``settle`` (given its clock) are pure.

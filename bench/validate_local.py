@@ -41,7 +41,7 @@ meanwhile), so a row measured on a busy machine is not read as a model error. In
 a VM every run and calibration first waits until the guest's passes report no more than
 an idle guest's few MiB (``machine_load.settle``; ``--no-settle`` starts at once): the
 gigabytes a calibration or a run frees would otherwise be reported during the next
-one, with pages its ranks freed a moment before among them.
+one (traces/README.md, "The guest's unreported memory").
 Measured figures are the median over the measured steps everywhere. Ends with two lines:
 ``median |error| = X%  max |error| = Y%  rows = N`` (step time) and
 ``phases: median |error| = X%  max |error| = Y%  rows = N``. The history of
