@@ -95,10 +95,12 @@ class PassWatch:
         return self
 
     def _run(self, first: int) -> None:
-        last: int | None = first
+        last = first
         while not self._stop.wait(self.SAMPLE_S):
             now = reporting_passes(self.sys_root)
-            if now is not None and last is not None and now != last:
+            if now is None:  # unreadable for a moment (a file being rewritten): keep the last count
+                continue
+            if now != last:
                 self.times_s.append(time.perf_counter())
             last = now
 
