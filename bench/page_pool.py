@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.page_reporting import balloon_reports, slow_pieces  # noqa: E402
+from machine_load import reported_kib_now  # noqa: E402
+from runtime.page_reporting import balloon_reports, reporting_passes, slow_pieces  # noqa: E402
 
 PARAMS = Path("/sys/module/page_reporting/parameters")
 PIECE_BYTES = 64 << 20
@@ -36,10 +37,8 @@ PAGE_BYTES = 4096
 
 def counters() -> tuple[int, int] | None:
     """(passes, reported KiB) where the kernel counts them, else None."""
-    try:
-        return int((PARAMS / "passes").read_text()), int((PARAMS / "reported_kib").read_text())
-    except (OSError, ValueError):
-        return None
+    passes, kib = reporting_passes(), reported_kib_now()
+    return None if passes is None or kib is None else (passes, kib)
 
 
 def touch(nbytes: int) -> tuple[mmap.mmap, list[float]]:
