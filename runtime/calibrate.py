@@ -125,12 +125,32 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         """The largest of every rank's ``x``."""
         return self.agree_all([x])[0]
 
-    def _together(self, fn: Callable[[], Any], timer: Any = None, min_calls: int = MIN_CALLS) -> float:
-        """Seconds per call of ``fn`` on all ranks at once; the slowest rank's mean counts
-        (``runtime.timing.per_call``). Every rank runs the same number of calls (a
-        collective inside must match on all ranks)."""
+    def mean_of_ranks(self, xs: list[float]) -> list[float]:
+        """Every rank's ``xs``, averaged over the ranks element by element."""
+        t = self.values(xs)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return [float(v) / self.world for v in t.tolist()]
+
+    def rank_mean(self, x: float) -> float:
+        """The ranks' mean of ``x`` (a rank's own cost: see ``_together``)."""
+        return self.mean_of_ranks([x])[0]
+
+    def _together(self, fn: Callable[[], Any], timer: Any = None, min_calls: int = MIN_CALLS,
+                  slowest: bool = False) -> float:
+        """Seconds per call of ``fn`` on all ranks at once (``runtime.timing.per_call``).
+        Every rank runs the same number of calls (a collective inside must match on all
+        ranks). A rank's own work (a kernel, an allocation) counts the ranks' mean: the
+        simulator draws each rank's speed drift and makes a collective wait for its
+        slowest member (``commsim.sim.rank_speed``), so the slowest rank's figure would
+        count the drift twice (each window of a benchmark is shorter than the drift's
+        correlation time: two ranks drifting apart by 23% of log speed priced every
+        kernel about 13% slow, traces/README.md "The slowest rank's kernels"). With
+        ``slowest`` the slowest rank's mean counts: a call with a collective inside,
+        which ends on every rank together, and a figure compared with others agreed
+        that way (a slowdown's baseline)."""
         dist.barrier()
-        return per_call(timer or self.timer, fn, self.min_s, self.agree, min_calls)
+        return per_call(timer or self.timer, fn, self.min_s, self.agree, min_calls,
+                        result=None if slowest else self.rank_mean)
 
     # ------------------------------------------------------------ compute
     def _gemm_shapes(self, dtype: torch.dtype) -> list[tuple[int, int, int, int]]:

@@ -155,7 +155,7 @@ class CollectiveMeasurements:
             held.append(time.perf_counter() - t)
             work.wait()
 
-        self._together(call, self.comm_timer)  # type: ignore[attr-defined]
+        self._together(call, self.comm_timer, slowest=True)  # type: ignore[attr-defined]
         return self.agree(statistics.fmean(held[1:] or held))  # type: ignore[attr-defined] # (the first: warm-up)
 
     def _compute_for(self, seconds: float) -> None:
@@ -205,7 +205,7 @@ class CollectiveMeasurements:
                         group = pg
             for kind in KINDS:
                 pts = [(float(s), self._together(self._collective(kind, s, group, gs.size),  # type: ignore
-                                                 self.comm_timer, POINT_MIN_CALLS)) for s in sizes]
+                                                 self.comm_timer, POINT_MIN_CALLS, slowest=True)) for s in sizes]
                 a, bw = latency_bandwidth(pts)
                 fit = out[kind].setdefault(gs.placement, {})[str(gs.size)] = {
                     "latency_ns": int(a * 1e9), "bytes_per_s": bw, "points": [[int(x), y] for x, y in pts],

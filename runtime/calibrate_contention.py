@@ -47,7 +47,7 @@ class ContentionMeasurements:
         if self.queued:
             n = 2048 if self.quick else 4096  # a GEMM that keeps a GPU busy for a while
         op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * n ** 3 * 4, 0, 0, O.GemmShape(n, n, n, 4))
-        compute_alone = self._together(lambda: self.kernels.run(op))
+        compute_alone = self._together(lambda: self.kernels.run(op), slowest=True)  # as the slowdowns
         under = self._overlapped if self.queued else self._under_compute
         slow_c, slow_n = under(op, compute_alone, self._collective("all_reduce", 4 << 20))
         _, slow_lat = under(op, compute_alone, self._collective("all_gather", 64 << 10))
@@ -61,7 +61,7 @@ class ContentionMeasurements:
         on its own stream while the other side's calls run on theirs, both released at
         the same moment (``CudaTimer.beside``): real overlap on the device, in each
         direction separately (``runtime.timing.mutual_slowdown``)."""
-        comm_alone = self._together(comm, self.comm_timer)
+        comm_alone = self._together(comm, self.comm_timer, slowest=True)
 
         def gemm() -> None:
             self.kernels.run(op)
@@ -86,7 +86,7 @@ class ContentionMeasurements:
         thread then competes for the core with the rank's kernels, and a small
         collective waits for the scheduler at every message of its protocol, so its
         latency suffers more than a large one's bandwidth."""
-        comm_alone = self._together(comm)
+        comm_alone = self._together(comm, slowest=True)
         budget = 0.1 if self.quick else 0.3
         reps = max(3 if self.quick else 4, int(budget / max(comm_alone, 1e-6)))
         done = threading.Event()

@@ -5,7 +5,8 @@ memory to its hypervisor, of reported ones), and the caching allocator's statist
 GPUs.
 
 A mixin of ``runtime.calibrate.Calibrator``: it uses the calibrator's rank, world,
-backend, platform, device, ``quick``, ``sync``, ``agree`` / ``agree_all`` and ``log``.
+backend, platform, device, ``quick``, ``sync``, ``agree`` / ``agree_all``, ``rank_mean`` /
+``mean_of_ranks`` and ``log``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class HostMeasurements:
     def launch_costs(self) -> dict[str, Any] | None:
         """CPUs: a framework's host cost per kernel on this machine, for the schedule's
         launch host ops: one small PyTorch op's dispatch (``x.mul_(1.0)`` on 256
-        elements, whose kernel is a few ns), the mean of a batch, the slowest rank's.
+        elements, whose kernel is a few ns), the mean of a batch, the ranks' mean.
         A CPU has no cudaLaunchKernel, which the default launch costs include. A
         collective's launch is 0: its call is priced by the backend's own measured call
         time (``call_points``), which includes c10d's dispatch. None on GPUs, whose
@@ -53,7 +54,7 @@ class HostMeasurements:
         if not self.platform.inline_kernels:
             return None
         x = torch.zeros(256, device=self.device)
-        t = per_call(HostTimer(), lambda: x.mul_(1.0), self.min_s, self.agree)
+        t = per_call(HostTimer(), lambda: x.mul_(1.0), self.min_s, self.agree, result=self.rank_mean)
         self.log(f"launch: {t * 1e6:.2f} us per PyTorch op's dispatch")
         return {"launch_ns": int(t * 1e9), "collective_launch_ns": 0,
                 "source": "launches timed by commsim calibrate (a PyTorch op's dispatch on this CPU; collective calls "
@@ -74,7 +75,7 @@ class HostMeasurements:
         starts = sorted(r.start_ns for r in issue if r.step == 0)
         gaps = [b - a for a, b in zip(starts, starts[1:])]
         issue_ns = int(statistics.median(gaps)) if gaps else 0
-        per_op, issue_f = self.agree_all([per_op, float(issue_ns)])
+        per_op, issue_f = self.mean_of_ranks([per_op, float(issue_ns)])  # a rank's own: see _together
         self.log(f"executor: {per_op / 1e3:.1f} us per op, host issue {issue_f / 1e3:.1f} us")
         return int(issue_f), int(per_op)
 
@@ -128,7 +129,7 @@ class HostMeasurements:
                 if self.platform.caching_allocator:  # each round's allocations are cudaMalloc calls, not cache hits
                     self.sync()
                     torch.cuda.empty_cache()
-        mean = self.agree_all([statistics.fmean(times[n]) for n in sizes])  # see _together
+        mean = self.mean_of_ranks([statistics.fmean(times[n]) for n in sizes])  # a rank's own: see _together
         pts = [(float(n), float(t)) for n, t in zip(sizes, mean)]
         a, bw = latency_bandwidth(pts)
         self.log("allocation: " + ", ".join(f"{n / 2**20:g} MiB {t * 1e3:.2f} ms" for n, t in pts))
@@ -197,7 +198,7 @@ class HostMeasurements:
                 t3 = clock()
                 if r:  # the first round warms the code path up
                     per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n / share)
-        mean = self.agree(max(0.0, statistics.fmean(per_round)))  # see _together
+        mean = self.rank_mean(max(0.0, statistics.fmean(per_round)))  # a rank's own: see _together
         self.log(f"first touch of fresh pages: {mean * 1e9:.3f} ns/B")
         return mean
 

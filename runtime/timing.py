@@ -135,18 +135,20 @@ def calls_for(first_s: float, min_s: float, lo: int = MIN_CALLS, hi: int = MAX_C
 
 
 def per_call(timer: Timer, fn: Callable[[], Any], min_s: float, agree: Callable[[float], float],
-             min_calls: int = MIN_CALLS) -> float:
+             min_calls: int = MIN_CALLS, result: Callable[[float], float] | None = None) -> float:
     """Seconds per call of ``fn``: one call first (a warm-up, and the estimate that
     sizes the batch), then one batch of at least ``min_calls``, timed whole. ``agree``
-    makes every rank use the same figure (the largest) for the batch size and for the
-    result.
+    makes every rank use the same figure (the largest) for the batch size, so that
+    every rank makes the same calls; ``result`` (``agree`` where not given) makes the
+    figure every rank returns: the largest, or the ranks' mean where each rank's own
+    cost is wanted.
 
     The batch's mean, not a median of calls: where ranks time-slice a CPU, a call
     shorter than a slice usually runs at a whole core's speed and now and then waits
     out another rank's slice, and the mean is what such calls cost in a step."""
     first = agree(timer.batch(fn, 1))
     n = calls_for(first, min_s, lo=min_calls)
-    return agree(timer.batch(fn, n) / n)
+    return (result or agree)(timer.batch(fn, n) / n)
 
 
 def covering_calls(span_s: float, call_s: float, margin: float = 2.0) -> int:

@@ -60,6 +60,27 @@ def test_per_call_agrees_on_the_batch_and_the_result():
     assert timer.batches == [1, MIN_CALLS]
 
 
+def test_per_call_can_return_the_ranks_mean():
+    """With ``result`` the batch is still sized by the agreed (largest) figure, so every
+    rank makes the same calls, but the figure returned is ``result``'s: the ranks'
+    mean where a rank's own cost is wanted (calibrate's kernels: the simulator draws
+    each rank's drift itself)."""
+    agreed, means = [], []
+
+    def agree(x):  # the other rank was twice as slow
+        agreed.append(x)
+        return 2 * x
+
+    def mean(x):  # ... so the two ranks' mean is 1.5 x this rank's
+        means.append(x)
+        return 1.5 * x
+
+    timer = FakeTimer(0.004, first_s=0.005)
+    t = per_call(timer, lambda: None, 0.2, agree, result=mean)
+    assert timer.batches == [1, 20]
+    assert agreed == [0.005] and means == [pytest.approx(0.004)] and t == pytest.approx(0.006)
+
+
 def test_host_timer_runs_every_call():
     calls = []
     assert HostTimer().batch(lambda: calls.append(1), 7) >= 0 and len(calls) == 7
