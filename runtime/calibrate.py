@@ -102,6 +102,7 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
             self.timer = self.comm_timer = HostTimer()
         self._shape_kernels: dict[str, Kernels] = {}
         self._shape_times: dict[tuple[str, int, int, int, int], list[float]] = {}
+        self._spread: list[float] = []  # a rank's own figures: the slowest over the ranks' mean, less 1
         # quick (tests, a CPU rehearsal): figures of the right form and rough size
         self.min_s = 0.025 if quick else 0.2
         self.quick = quick
@@ -126,10 +127,22 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         return self.agree_all([x])[0]
 
     def mean_of_ranks(self, xs: list[float]) -> list[float]:
-        """Every rank's ``xs``, averaged over the ranks element by element."""
+        """Every rank's ``xs``, averaged over the ranks element by element; how far the
+        slowest rank's figure lay above the mean is kept for the log (``spread_line``)."""
         t = self.values(xs)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return [float(v) / self.world for v in t.tolist()]
+        mean = [float(v) / self.world for v in t.tolist()]
+        self._spread += [hi / m - 1.0 for hi, m in zip(self.agree_all(xs), mean) if m > 0]
+        return mean
+
+    def spread_line(self) -> str:
+        """How far apart the ranks measured their own work: the slowest rank's figure over
+        the ranks' mean (what an agreement on the slowest would have priced more)."""
+        if not self._spread or self.world < 2:
+            return "ranks apart: one rank"
+        s = sorted(self._spread)
+        return (f"ranks apart: the slowest rank's figure {100 * statistics.median(s):.1f}% above the ranks' mean "
+                f"(median of {len(s)} figures; p90 {100 * s[int(0.9 * (len(s) - 1))]:.1f}%)")
 
     def rank_mean(self, x: float) -> float:
         """The ranks' mean of ``x`` (a rank's own cost: see ``_together``)."""
@@ -143,8 +156,9 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         simulator draws each rank's speed drift and makes a collective wait for its
         slowest member (``commsim.sim.rank_speed``), so the slowest rank's figure would
         count the drift twice (each window of a benchmark is shorter than the drift's
-        correlation time: two ranks drifting apart by 23% of log speed priced every
-        kernel about 13% slow, traces/README.md "The slowest rank's kernels"). With
+        correlation time: with the ranks' drift measured at sd 15%, the slowest rank's
+        figure lay a median 5.4% above the ranks' mean, p90 20%: traces/README.md, "The
+        slowest rank's figures"; every calibration logs it, ``spread_line``). With
         ``slowest`` the slowest rank's mean counts: a call with a collective inside,
         which ends on every rank together, and a figure compared with others agreed
         that way (a slowdown's baseline)."""
@@ -310,6 +324,7 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         # after everything else: it holds and then frees up to gigabytes a rank, which the
         # guest then reports to its host in passes that take the node's cores for a while
         reported = self.reported_pages(passes.stop())
+        self.log(self.spread_line())
         self.log(f"calibration took {time.perf_counter() - t0:.0f} s")
         measured = Measured(
             gemm_by_dtype=gemm_by_dtype, gemm_shapes_by_dtype=shapes, mem_latency_s=mem_a, mem_bytes_per_s=mem_bw,

@@ -90,7 +90,7 @@ class FrameworkKernelMeasurements:
 
     def framework_kernels(self) -> dict[str, Any] | None:
         """dtype -> kind -> {"fwd": [[bytes, s], ...], "bwd": ...} of the real kernels
-        (the slowest rank's mean per call), plus a ``source`` line; None on GPUs."""
+        (the ranks' mean per call: see ``Calibrator._together``), plus a ``source`` line; None on GPUs."""
         if not self.platform.inline_kernels:
             return None
         sizes = (4, 1024) if self.quick else (4, 128, 1024)  # rows of WIDTH: 16 KiB to 4 MiB of fp32

@@ -1,6 +1,7 @@
 """commsim calibrate writes a profile predict can use; the stored traces are sound."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,9 @@ def test_quick_calibration_then_predict(tmp_path):
     out = subprocess.run([sys.executable, "-m", "commsim.cli", "calibrate", "--quick", "--schedule", str(sched),
                           "-o", str(prof)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
+    # a rank's own figures are the ranks' mean, and the log says how far the slowest lay above it
+    assert re.search(r"ranks apart: the slowest rank's figure \d+\.\d% above the ranks' mean \(median of \d+ figures",
+                     out.stdout + out.stderr)
     p = load_profile(prof, "fp32")
     assert set(p.collectives) == {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
     assert all(set(fits) == {("intra_node", 2)} for fits in p.collectives.values())
@@ -228,3 +232,18 @@ def test_compare_reports_error(tmp_path):
     assert res["step_time_error_frac"] == -0.5
     assert res["op_duration_error"]["p50"] == -0.5
     assert res["largest_discrepancies"][0]["op_id"] == 1
+
+
+def test_the_spread_line_reports_the_slowest_rank_over_the_mean():
+    """What an agreement on the slowest rank would have priced more, per figure: the
+    median and the p90 of the kept ratios; one rank has no spread."""
+    from runtime.calibrate import Calibrator
+
+    class Two:
+        world = 2
+        _spread = [0.0, 0.02, 0.05, 0.10, 0.30]
+
+    assert Calibrator.spread_line(Two()) == ("ranks apart: the slowest rank's figure 5.0% above the ranks' mean "
+                                             "(median of 5 figures; p90 10.0%)")
+    Two.world = 1
+    assert Calibrator.spread_line(Two()) == "ranks apart: one rank"
