@@ -61,7 +61,9 @@ _DS_PHASES = {"forward": "forward", "backward": "backward", "step": "optimizer"}
 def measured_phases(row: "Row", out: Path, pred_trace) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """(predicted, measured) wall time of each phase of the step, and of communication
     where the run recorded its collectives, in seconds (measured: the median over the
-    measured steps), and the per-op error percentiles (executor runs)."""
+    measured steps), and the per-op error percentiles (executor runs), with the GEMMs'
+    time a step predicted and measured (``gemm_pred_s``, ``gemm_meas_s``): an error the
+    GEMMs share is the machine's speed during the run against its calibrations'."""
     from commsim.ir.trace import Trace
     from commsim.report.compare import compare, phase_times
 
@@ -75,7 +77,11 @@ def measured_phases(row: "Row", out: Path, pred_trace) -> tuple[dict[str, float]
     c = compare(pred_trace, Trace.load(out))
     predicted["communication"] = c.predicted.comm_ns / 1e9
     measured = {p: ns / 1e9 for p, ns in c.measured_phase_ns.items()}
-    return predicted, measured, c.percentiles()
+    ops = c.percentiles()
+    gemm = c.busy_by_kind().get("gemm")
+    if ops and gemm and gemm[1]:
+        ops["gemm_pred_s"], ops["gemm_meas_s"] = gemm[0] / 1e9, gemm[1] / 1e9
+    return predicted, measured, ops
 
 
 
@@ -161,6 +167,11 @@ def report_row(row: "Row", preds: list[float], meass: list[float], phase_runs: d
     print("    phases: " + ", ".join(f"{p} {e:+.1%}" for p, e in ph_err.items())
           + (f"; per op: median {statistics.fmean(o['p50'] for o in ops):+.0%}, "
              f"p90 {statistics.fmean(o['p90'] for o in ops):+.0%}" if ops else ""), flush=True)
+    gemms = [o for o in ops if "gemm_meas_s" in o]
+    if gemms:
+        print("    GEMMs, ms a step (predicted / measured), each run: " + ", ".join(
+            f"{o['gemm_pred_s'] * 1e3:.0f} / {o['gemm_meas_s'] * 1e3:.0f} "
+            f"({(o['gemm_pred_s'] - o['gemm_meas_s']) / o['gemm_meas_s']:+.0%})" for o in gemms), flush=True)
     for label, runs in (("fresh pages", page_runs), ("reported pages", reported_runs)):
         if runs:
             print(f"    {label}, MiB a step (predicted / measured): " + ", ".join(

@@ -110,6 +110,16 @@ class Comparison:
 
         return {"p10": q(0.1), "p50": q(0.5), "p90": q(0.9), "mean_abs": statistics.mean(abs(e) for e in errs)}
 
+    def busy_by_kind(self) -> dict[str, tuple[int, int]]:
+        """Kind of op -> (predicted ns, measured ns) summed over the ops compared (each
+        op's measured time the mean over the measured steps): where a step's error lies
+        by class of work (a GEMM error common to every GEMM is the machine's speed)."""
+        out: dict[str, tuple[int, int]] = {}
+        for _, p, m, r in self.op_errors:
+            a, b = out.get(r.kind, (0, 0))
+            out[r.kind] = (a + p, b + m)
+        return out
+
     def worst(self, n: int = 10) -> list[tuple[float, int, int, TraceRecord]]:
         return sorted(self.op_errors, key=lambda t: -abs(t[1] - t[2]))[:n]
 
@@ -129,6 +139,8 @@ class Comparison:
                             "measured": m / 1e9} for p, m in self.measured_phase_ns.items()},
             "phase_error_frac": self.phase_errors(),
             "op_duration_error": self.percentiles(),
+            "busy_s_by_kind": {k: {"predicted": p / 1e9, "measured": m / 1e9}
+                               for k, (p, m) in self.busy_by_kind().items()},
             "ops_compared": len(self.op_errors),
             "largest_discrepancies": [
                 {"op_id": r.op_id, "rank": r.rank, "stream": r.stream, "kind": r.kind, "label": r.label,
@@ -189,6 +201,11 @@ def format_comparison(c: Comparison, n_worst: int = 8) -> str:
     for s in sorted(set(c.predicted.busy_by_phase) | set(c.measured.busy_by_phase)):
         lines.append(row(s, c.predicted.busy_by_phase.get(s, 0), c.measured.busy_by_phase.get(s, 0)))
     lines.append(row("exposed comm.", c.predicted.exposed_comm_ns, c.measured.exposed_comm_ns))
+    kinds = c.busy_by_kind()
+    if kinds:
+        lines.append(f"{'busy per op kind':<22}{'predicted ms':>14}{'measured ms':>14}{'error':>9}")
+        for k, (p, m) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+            lines.append(row(k, p, m) + (f"{(p - m) / m:>+9.1%}" if m else ""))
     pc = c.percentiles()
     if pc:
         lines.append(f"per-op duration error over {len(c.op_errors)} ops: p10 {pc['p10']:+.0%}, median "
