@@ -293,13 +293,20 @@ def load_profile(path: str | Path, precision: str | None = None) -> HardwareProf
     return profile_from_dict(read_json(path, CommsimInputError), str(path), precision)
 
 
+# Fields a calibration writes only when it met what they measure: the reported pages'
+# (calibrate's blocks came back slow in one calibration and not in the other: "not met"
+# says nothing of what a reported page costs, so the one that met them stands).
+MET_ONLY = frozenset({"page_report_period_ns", "reported_page_extra_ns_per_byte"})
+
+
 def mean_profile(a: Any, b: Any, where: str = "profile") -> Any:
     """The mean of two profile documents from the same calibration command (say, one
     taken right before a run and one right after, on a machine whose speed drifts):
     every number averaged (integers rounded), lists element by element, objects key
     by key; strings and booleans must agree. Measured sizes (the bytes or shapes
     that tables are keyed by) are equal in both, so they average to themselves. A
-    different structure is an error naming the first place that differs."""
+    field of ``MET_ONLY`` in one of them only is kept as it is. Any other different
+    structure is an error naming the first place that differs."""
     if isinstance(a, bool) or isinstance(b, bool) or isinstance(a, str) or a is None:
         if a != b:
             raise CommsimInputError(f"{where}: {a!r} differs from {b!r}; average profiles of one calibration command")
@@ -309,7 +316,8 @@ def mean_profile(a: Any, b: Any, where: str = "profile") -> Any:
         return round(m) if isinstance(a, int) and isinstance(b, int) else m
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [mean_profile(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))]
-    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
-        return {k: mean_profile(a[k], b[k], f"{where}.{k}") for k in a}
+    if isinstance(a, dict) and isinstance(b, dict) and not (a.keys() ^ b.keys()) - MET_ONLY:
+        return {k: mean_profile(a[k], b[k], f"{where}.{k}") if k in b else a[k] for k in a} | \
+            {k: b[k] for k in b.keys() - a.keys()}
     raise CommsimInputError(f"{where}: the two profiles differ in structure here; "
                             "average profiles of one calibration command")

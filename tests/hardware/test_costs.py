@@ -355,6 +355,15 @@ def test_mean_of_two_calibrations():
         mean_profile(before, {**after, "description": "y"})
     with pytest.raises(CommsimInputError, match=r"profile.gemm: the two profiles differ in structure"):
         mean_profile(before, {**after, "gemm": [[1e6, 2e10]]})
+    # reported pages met by one calibration only: its figures stand; another key in one only is an error
+    met = {**after, "alloc": {**PROFILE["alloc"], "page_report_period_ns": 2_000_000_000,
+                              "reported_page_extra_ns_per_byte": 2.5}}
+    for m in (mean_profile(before, met), mean_profile(met, before)):
+        alloc = m["alloc"]
+        assert alloc["page_report_period_ns"] == 2_000_000_000 and alloc["reported_page_extra_ns_per_byte"] == 2.5
+        assert profile_from_dict(m, "m").reported_pages() == (2_000_000_000, 2.5)
+    with pytest.raises(CommsimInputError, match=r"profile.alloc: the two profiles differ in structure"):
+        mean_profile(before, {**after, "alloc": {**PROFILE["alloc"], "other": 1}})
 
 
 def test_a_profile_yields_its_platform(tmp_path):
