@@ -26,6 +26,10 @@ collectives (priced as collective launches); FSDP2's other ops (views, ``as_stri
     python -m runtime.fsdp2_host_costs -o run.json        # one process (--world 2, --steps 30)
     python -m runtime.fsdp2_host_costs --derive STORED_DIR FSDP2_RUN.json ... DS_RUN.json ...
 
+Each process also times a DTensor op's dispatch over a plain op's
+(``runtime.dtensor_dispatch``: FSDP2's optimizer steps DTensors), for
+``HostCosts.dtensor_op_ns``.
+
 ``--derive`` turns runs of this machine into the default (the stored DeepSpeed figures'
 machine: ``ds_host_derive.machine_ratio`` from DeepSpeed 0.19.8 runs timed the same
 minutes).
@@ -65,6 +69,7 @@ def measure(steps: int = STEPS, world: int = WORLD) -> dict:
 
     from runtime.ds_host_setup import VOCAB, model_config
     from runtime.ds_host_timing import clock
+    from runtime.dtensor_dispatch import measure as dtensor_measure
     from runtime.torch_models import build_model
 
     torch.set_num_threads(1)
@@ -97,12 +102,13 @@ def measure(steps: int = STEPS, world: int = WORLD) -> dict:
             t_sharded.append(step(sharded))
             t_plain.append(step(plain))  # right after, on the same minutes
         op_ns, coll_ns = dispatch_ns(torch), collective_ns(torch, dist)
+        dtensor = dtensor_measure()  # FSDP2's optimizer: its parameters are DTensors
     finally:
         dist.destroy_process_group()
     fig = hook_figure(t_sharded, t_plain, extra, op_ns, coll_ns, n_units)
     return {
         **fig, "units": n_units, "sharded_ns": min(t_sharded), "plain_ns": min(t_plain), "op_ns": round(op_ns),
-        "collective_ns": round(coll_ns),
+        "collective_ns": round(coll_ns), "dtensor_op_ns": dtensor["dtensor_op_ns"],
         "extra_ops": {k: v for k, v in sorted(extra.items()) if v},
         "sharded_steps_ns": t_sharded, "plain_steps_ns": t_plain, "world": world, "steps": steps,
         "machine": {"cpu": _cpu_name(), "python": platform.python_version(), "torch": torch.__version__},
@@ -199,14 +205,20 @@ def per_hook_ns(docs: list[dict]) -> int:
 
 
 def measure_for_profile(processes: int = 3, log=print) -> dict:
-    """``host_costs`` fields for a profile (``commsim calibrate --fsdp2-host-costs``)."""
+    """``host_costs`` fields for a profile (``commsim calibrate --fsdp2-host-costs``):
+    the hooks' figure, and a DTensor op's dispatch (``runtime.dtensor_dispatch``: its
+    typical cost in each process, the processes' median)."""
     import torch
 
-    ns = per_hook_ns(measure_processes(processes, log=log))
-    log(f"FSDP2 (torch {torch.__version__}): {ns / 1e3:.0f} us per hook call")
-    return {"fsdp2_hook_ns": ns,
-            "source": f"torch {torch.__version__}'s FSDP2 hooks timed by commsim calibrate --fsdp2-host-costs "
-                      f"(runtime/fsdp2_host_costs.py: the fastest step of {processes} processes less the fastest plain step)"}
+    docs = measure_processes(processes, log=log)
+    ns = per_hook_ns(docs)
+    dtensor = round(statistics.median(d["dtensor_op_ns"] for d in docs))
+    log(f"FSDP2 (torch {torch.__version__}): {ns / 1e3:.0f} us per hook call, {dtensor / 1e3:.1f} us per DTensor op "
+        "over a plain one")
+    return {"fsdp2_hook_ns": ns, "dtensor_op_ns": dtensor,
+            "source": f"torch {torch.__version__}'s FSDP2 hooks and DTensor ops timed by commsim calibrate "
+                      f"--fsdp2-host-costs (runtime/fsdp2_host_costs.py: the fastest step of {processes} processes "
+                      "less the fastest plain step; runtime/dtensor_dispatch.py: the processes' median)"}
 
 
 def derive(stored_dir: str, paths: list[str]) -> dict[str, int]:

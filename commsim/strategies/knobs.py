@@ -203,7 +203,9 @@ class HostCosts:
     # plain tensor op's: FSDP2's parameters are DTensors, and on CPUs torch's AdamW runs
     # eight of them per parameter. bench/dtensor_dispatch.py on the AMD EPYC Zen 4 VM
     # core of the DeepSpeed figures (torch 2.13.0, 2026-12-01): 161 us per parameter's
-    # single-tensor AdamW step as DTensors against 26.9 us as plain tensors, 16.8 us per op.
+    # single-tensor AdamW step as DTensors against 26.9 us as plain tensors, 16.8 us per op
+    # (then the fastest of three; runtime/dtensor_dispatch.py now times it, and
+    # ``calibrate --fsdp2-host-costs`` puts this machine's typical figure in a profile).
     dtensor_op_ns: int = 16_800
     # CPU Adam (offload_optimizer: cpu), per fp32 parameter of this rank's partition, in
     # picoseconds. DeepSpeedCPUAdam is memory-bound: it reads param, grad, exp_avg,

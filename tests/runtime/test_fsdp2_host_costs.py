@@ -47,6 +47,8 @@ def test_real_fsdp2_runs_the_hooks_and_copies_the_schedule_has(tmp_path):
     assert doc["collective_calls"] == 20 and doc["priced_ops"] == 33 + ops.get("aten.empty.memory_format", 0)
     assert len(doc["sharded_steps_ns"]) == len(doc["plain_steps_ns"]) == 2
     assert doc["per_hook_call_ns"] > 0 and doc["sharded_ns"] > doc["plain_ns"]
+    # a DTensor op's dispatch over a plain op's, timed in the same process: microseconds
+    assert 1_000 < doc["dtensor_op_ns"] < 1_000_000
     res = subprocess.run([sys.executable, "-m", "runtime.fsdp2_host_costs", "--world", "1", "-o", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 2 and "--world: at least 2" in res.stderr
@@ -124,3 +126,17 @@ def test_calibrate_under_a_launcher_refuses_to_time_fsdp2(tmp_path, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(CommsimInputError, match=r"^--fsdp2-host-costs: run it without torchrun"):
         L.calibrate(str(tmp_path / "p.json"), fsdp2_host_costs=True)
+
+
+def test_the_profiles_dtensor_op_is_the_processes_median(monkeypatch):
+    pytest.importorskip("torch")
+    import runtime.fsdp2_host_costs as F
+
+    shape = {"units": 7, "hook_calls": 29, "priced_ops": 0, "collective_calls": 0, "op_ns": 0, "collective_ns": 0}
+    docs = [{**shape, "sharded_ns": s, "plain_ns": 1_000_000, "dtensor_op_ns": d}
+            for s, d in ((3_900_000, 21_000), (4_000_000, 17_000), (4_100_000, 30_000))]
+    monkeypatch.setattr(F, "measure_processes", lambda processes, log: docs)
+    got = F.measure_for_profile(3, log=lambda m: None)
+    # the hooks: the fastest FSDP2 step less the fastest plain one, over 29 calls
+    assert got["fsdp2_hook_ns"] == round(2_900_000 / 29) and got["dtensor_op_ns"] == 21_000
+    assert "runtime/dtensor_dispatch.py: the processes' median" in got["source"]
