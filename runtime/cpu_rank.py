@@ -182,7 +182,12 @@ class _CpuStep:
     def issuer(self, stream: str, items: list[_Item | None], cv: threading.Condition) -> None:
         """An issuer thread of ``stream``: issues its queued collectives in order, each
         once the stream's previous one and its deps are done, and waits for those whose
-        works have no future."""
+        works have no future. Each item is served in a frame of its own (``serve``) and
+        dropped before the thread waits for the next: a waited item holds the work's
+        ``wait``, so the work and the tensors it keeps (gloo's reduce-scatter: its input
+        and its clone of it) would otherwise live until the stream's next collective,
+        after the schedule freed the buffer (the last one of a step: until the step's
+        end, so a large block's pages came back to the OS late)."""
         while True:
             with cv:
                 while not items:
@@ -190,25 +195,30 @@ class _CpuStep:
                 item = items.pop(0)
             if item is None:
                 return
-            what, op, ev, arg = item
-            if what == "wait":
-                start, check, wait = arg
-                self.finish(op, stream, start, ev, check, wait)
-                continue
-            try:
-                if arg is not None:  # the stream's previous collective
-                    arg.wait()
-                for d in op.deps:
-                    self.done[d].wait()
-                if self.errors:
-                    ev.set()
-                    continue
-                self.issue(op, stream, ev, True)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the host with the op named
-                self._failed(op, e)
+            self.serve(stream, item)
+            item = None
+
+    def serve(self, stream: str, item: _Item) -> None:
+        """One item of ``stream``'s issuer: wait for a collective, or issue one."""
+        what, op, ev, arg = item
+        if what == "wait":
+            start, check, wait = arg
+            self.finish(op, stream, start, ev, check, wait)
+            return
+        try:
+            if arg is not None:  # the stream's previous collective
+                arg.wait()
+            for d in op.deps:
+                self.done[d].wait()
+            if self.errors:
                 ev.set()
-                with self.issue_cv:
-                    self.issue_cv.notify_all()
+                return
+            self.issue(op, stream, ev, True)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the host with the op named
+            self._failed(op, e)
+            ev.set()
+            with self.issue_cv:
+                self.issue_cv.notify_all()
 
     def enqueue(self, stream: str, item: _Item | None) -> None:
         """Queue ``item`` for ``stream``'s issuer thread, started on first use."""

@@ -296,3 +296,35 @@ def test_a_collective_that_cannot_be_issued_ends_the_step_with_its_name():
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("rank 0: step 0: op 2 `") and '"breaks"' in last
     assert last.endswith("RuntimeError: backend refused")
+
+
+def test_an_issuer_lets_go_of_a_waited_collective_before_its_next_one():
+    """gloo's reduce-scatter has no future: a stream's issuer thread waits for its work,
+    which keeps the collective's tensors (its input, gloo's clone of it). Once waited,
+    nothing of the work may stay on the thread while it waits for the stream's next
+    collective, or a buffer the schedule frees keeps its memory until then."""
+    import weakref
+
+    from runtime.cpu_rank import _CpuStep, _Done
+
+    class Work:  # a finished work, as gloo's holding its tensors
+        def wait(self) -> bool:
+            return True
+
+    step = _CpuStep(None, {}, set())
+    op = O.Collective(O.OpId(1), "reduce", "rs", O.CollectiveKind.REDUCE_SCATTER, 64, O.DType.FP32, (0, 1),
+                      reduce_op=O.ReduceOp.SUM)
+    work, ev = Work(), _Done()
+    ref = weakref.ref(work)
+    step.enqueue("reduce", ("wait", op, ev, (0, None, work.wait)))
+    del work
+    ev.event.wait(10)
+    deadline = time.monotonic() + 10
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    alive = ref() is not None
+    step.enqueue("reduce", None)  # ends the issuer
+    for th in step.threads:
+        th.join(10)
+    assert [(e, s, o.id) for e, s, o, _ in step.finished] == [(ev, "reduce", O.OpId(1))]
+    assert not alive, "the issuer kept the waited work (and its tensors) until its next item"
