@@ -16,7 +16,8 @@ pages freed 1-1.75 s earlier slow for 7-30% of their bytes, 2 s earlier 42%, and
 2.5 s on nearly all; the guest's reporting pass ran every 2.01-2.05 s. Modelled: the
 share of a return's pages reported by the time they are reused rises linearly from none
 at three quarters of a reporting period (calibrate measures it) to all at one and a half
-(``REPORTED_FROM``, ``REPORTED_BY``: where those allocations put it), i.e. a return is
+(``REPORTED_FROM``, ``REPORTED_BY``: where those allocations put it; their executor still
+kept a waited reduce-scatter's buffers past the schedule's free, fixed since), i.e. a return is
 reported about a period after its free, at a phase the step does not set; any page
 beyond what the rank gave back is reported (its growth comes from the guest's free
 memory at large, reported long ago). Pages that stay in glibc's heap are not the OS's
