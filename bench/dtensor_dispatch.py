@@ -2,7 +2,7 @@
 behind ``HostCosts.dtensor_op_ns`` (commsim/strategies/knobs.py), which
 ``commsim calibrate --fsdp2-host-costs`` also measures into a profile.
 
-    python bench/dtensor_dispatch.py [--params 64] [--elements 64] [--rounds 7]
+    python bench/dtensor_dispatch.py [--params 64] [--elements 64] [--rounds 5]
 
 The timing is ``runtime.dtensor_dispatch.measure`` (its docstring says how), here on a
 fake two-rank process group of its own; it prints the rounds' median (the typical cost,
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=int, default=64)
     ap.add_argument("--elements", type=int, default=64, help="local elements per parameter")
-    ap.add_argument("--rounds", type=int, default=7, help="alternating rounds of DTensor and plain steps")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of DTensor and plain steps")
     args = ap.parse_args(argv)
     import torch
     import torch.distributed as dist

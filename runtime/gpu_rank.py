@@ -133,6 +133,9 @@ class GpuRank:
                         if isinstance(op, O.Collective):
                             work, check = ex.collective(op)
                             work.wait()  # the stream waits for the collective; the host does not
+                            # not kept until the next collective: a work holds its tensors
+                            # (as on CPUs, cpu_rank's issuer), past a free the schedule made
+                            del work
                             if check is not None:
                                 checks.append((op, check))
                         else:
