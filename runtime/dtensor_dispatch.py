@@ -26,7 +26,7 @@ ADAM_OPS = 8  # DTensor ops per parameter in _single_tensor_adam (AdamW, no amsg
 STEPS = 20  # optimizer steps a round's mean is taken over (64 parameters x 8 ops: 10,240 DTensor ops)
 
 
-def _step_ns(torch, opt, steps: int) -> float:
+def _step_ns(opt, steps: int) -> float:
     """The mean thread CPU time of one ``opt.step()`` over ``steps``."""
     t0 = time.thread_time_ns()
     for _ in range(steps):
@@ -60,8 +60,8 @@ def measure(n_params: int = 64, elements: int = 64, rounds: int = 5, steps: int 
         opts.append(opt)
     dt_ns, plain_ns = [], []
     for _ in range(rounds):  # alternating, so both see the same minutes of this machine
-        dt_ns.append(_step_ns(torch, opts[0], steps))
-        plain_ns.append(_step_ns(torch, opts[1], steps))
+        dt_ns.append(_step_ns(opts[0], steps))
+        plain_ns.append(_step_ns(opts[1], steps))
     per_op = [(d - p) / n_params / ADAM_OPS for d, p in zip(dt_ns, plain_ns)]
     return {"dtensor_op_ns": max(0, round(statistics.median(per_op))),
             "fastest_dtensor_op_ns": max(0, round(min(per_op))),
