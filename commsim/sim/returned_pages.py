@@ -9,20 +9,26 @@ of its free lists, where freed pages go). A guest with free-page reporting (Linu
 free to its host, which drops them; the next touch of such a page then faults in the
 hypervisor as well, several times the guest's own first-touch cost.
 
-Measured on this project's VM (traces/README.md, "Which fresh pages come back slow"):
-over the large allocations of seven executor rows (three grid runs, both ranks), pages
-the rank had freed less than a second earlier came back at the fast first-touch rate,
-pages freed 1-1.75 s earlier slow for 7-30% of their bytes, 2 s earlier 42%, and from
-2.5 s on nearly all; the guest's reporting pass ran every 2.01-2.05 s. Modelled: the
-share of a return's pages reported by the time they are reused rises linearly from none
-at three quarters of a reporting period (calibrate measures it) to all at one and a half
-(``REPORTED_FROM``, ``REPORTED_BY``: where those allocations put it; their executor still
-kept a waited reduce-scatter's buffers past the schedule's free, fixed since), i.e. a return is
-reported about a period after its free, at a phase the step does not set; any page
-beyond what the rank gave back is reported (its growth comes from the guest's free
-memory at large, reported long ago). Pages that stay in glibc's heap are not the OS's
-and never reported. The share is an expectation: a real step meets the slow mode in some
-steps and not others, and the simulated step pays its mean.
+Measured on this project's VMs (traces/README.md, "Which fresh pages come back slow" and
+"Returned pages after the executor fix"): probes found a 256 MiB block freed and
+written again 0.2-5 s later fast every time, while a 2 GiB one came back partly slow
+0.7 s after its free: the guest keeps about max_waiting_mib (1024 MiB) of free memory
+unreported and reports what lies beyond it at its next pass (``bench/page_pool.py``).
+Over the 1,584 large allocations of seven executor rows (run BG, both ranks, steps 1 on,
+``bench/returned_pages_fit.py``), returns reused 0-2.5 s after their free came back
+fast (1-2.5% of their bytes slow, the rate's noise); no ramp fits them better than none.
+Modelled: a return's pages are fast until ``FAST_FOR_PERIODS`` reporting periods after
+its free (calibrate measures the period; 2.4 periods of this VM's 2.05 s is the 5 s
+the probes found fast) and reported from then on; any page beyond what the rank gave
+back is reported (its growth comes from the guest's free memory at large, reported
+long ago). Not modelled: returns of more than the guest's unreported pool at once (a
+node freeing over a GiB between two large allocations), whose excess is reported at the
+next pass. Pages that stay in glibc's heap are not the OS's and never reported.
+
+An earlier rule (a share rising from 0.75 to 1.5 periods) was fitted on executor runs
+that still kept a waited reduce-scatter's buffers past the schedule's free: their slow
+blocks were memory beyond what the rank had really returned, which this rule prices as
+reported too.
 
 Each rank keeps its own returns: a rank's frees serve its own next blocks (in symmetric
 mode every rank of a node frees and allocates alike, so a node-wide pool serves each
@@ -35,13 +41,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The reported share of a return by its age, in reporting periods: none before
-# REPORTED_FROM, all from REPORTED_BY. From the per-allocation data of three grid runs on
-# this project's VM (1,680 large allocations of seven executor rows, the period 2.01 s):
-# the least-squares ramp starts at 1.55 s and is 1.6 s wide (traces/README.md, "Which
-# fresh pages come back slow").
-REPORTED_FROM = 0.75
-REPORTED_BY = 1.5
+# A return's pages are fast this many reporting periods after its free, reported from
+# then on: 5 s (the longest gap the probes found fast, traces/README.md) at this VM's
+# 2.05 s period (see the module docstring).
+FAST_FOR_PERIODS = 2.4
 
 
 @dataclass
@@ -61,8 +64,8 @@ class ReturnedPages:
 
     def take(self, now_ns: int, nbytes: int) -> int:
         """Fresh pages for ``nbytes`` written at ``now_ns``, the newest returns first:
-        returns how many of those bytes are (expected to be) reported pages: each
-        return's ``reported_share`` by its age, and all beyond what was returned."""
+        returns how many of those bytes are reported pages: each return's
+        ``reported_share`` by its age, and all beyond what was returned."""
         self._forget(now_ns)
         need, reported = nbytes, 0.0
         while need and self.stack:
@@ -76,16 +79,15 @@ class ReturnedPages:
         return int(reported) + need
 
     def reported_share(self, age_ns: int) -> float:
-        """The expected share of pages freed ``age_ns`` ago that the guest has reported:
-        none before REPORTED_FROM periods, all from REPORTED_BY, linear between."""
-        start = REPORTED_FROM * self.period_ns
-        return min(1.0, max(0.0, (age_ns - start) / ((REPORTED_BY - REPORTED_FROM) * self.period_ns)))
+        """The share of pages freed ``age_ns`` ago that the guest has reported: none
+        before FAST_FOR_PERIODS periods, all from then."""
+        return 0.0 if age_ns < FAST_FOR_PERIODS * self.period_ns else 1.0
 
     def _forget(self, now_ns: int) -> None:
-        """Returns REPORTED_BY periods old are all reported: the same as none (the
+        """Returns FAST_FOR_PERIODS periods old are all reported: the same as none (the
         guest's free memory at large), so they need not be kept."""
         old = 0
-        while old < len(self.stack) and now_ns - self.stack[old][1] >= REPORTED_BY * self.period_ns:
+        while old < len(self.stack) and now_ns - self.stack[old][1] >= FAST_FOR_PERIODS * self.period_ns:
             old += 1
         if old:
             del self.stack[:old]

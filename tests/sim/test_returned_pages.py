@@ -11,30 +11,34 @@ from tests.sim.fixed_costs import FixedCosts
 MIB = 1 << 20
 
 
-def test_the_reported_share_rises_from_three_quarters_of_a_period_to_one_and_a_half():
+def test_a_return_is_fast_until_2_4_periods_after_its_free_and_reported_from_then():
     pool = ReturnedPages(period_ns=2_000)
-    assert [pool.reported_share(a) for a in (0, 1_500, 2_000, 2_250, 2_625, 3_000, 9_000)] == \
-        [0.0, 0.0, 1 / 3, 0.5, 0.75, 1.0, 1.0]
+    assert [pool.reported_share(a) for a in (0, 2_000, 4_000, 4_799, 4_800, 9_000)] == \
+        [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
 
 
 def test_newest_returns_serve_first_and_the_rest_is_reported_memory():
     pool = ReturnedPages(period_ns=2_000)
     pool.returned(0, 100)
-    pool.returned(1_500, 50)
-    # at 2_500: 50 bytes 1_000 old (none reported), then 30 of the 2_500-old (2/3 reported)
-    assert pool.take(2_500, 80) == 20
+    pool.returned(4_000, 50)
+    # at 4_500: the 50 bytes 500 old (fast), then 30 of the first return, 4_500 old: fast
+    assert pool.take(4_500, 80) == 0
     assert pool.held_bytes() == 70
-    # at 3_000 the older return is a period and a half old: all reported, forgotten
-    assert pool.take(3_000, 10) == 10 and pool.held_bytes() == 0
+    # at 5_000 the first return's 70 bytes are 2.5 periods old (forgotten: reported);
+    # a new return of 20 serves first, fast, and the other 20 bytes are reported
+    pool.returned(4_600, 20)
+    assert pool.take(5_000, 40) == 20 and pool.held_bytes() == 0
 
 
-def test_a_take_within_three_quarters_of_a_period_is_fast_and_partial_takes_keep_their_time():
+def test_an_old_return_is_forgotten_and_partial_takes_keep_their_time():
     pool = ReturnedPages(period_ns=2_000)
     pool.returned(100, 100)
     assert pool.take(1_000, 40) == 0
     assert pool.held_bytes() == 60
-    assert pool.take(1_600, 60) == 0  # 1_500 old: three quarters of a period
-    assert pool.take(1_600, 10) == 10  # nothing left: reported memory
+    assert pool.take(4_899, 60) == 0  # 4_799 old: just under 2.4 periods
+    assert pool.take(4_899, 10) == 10  # nothing left: reported memory
+    pool.returned(0, 10)
+    assert pool.take(4_800, 5) == 5 and pool.held_bytes() == 0  # 2.4 periods old: forgotten, reported
 
 
 def test_clone_moves_times_to_another_clock():
@@ -67,10 +71,10 @@ def _step_ns(gap_flops: int, reported) -> tuple[int, dict]:
 def test_a_block_on_pages_freed_long_ago_pays_the_extra():
     extra = 0.5  # ns a byte
     quick, quick_pages = _step_ns(1_000, (10_000_000, extra))
-    slow, slow_pages = _step_ns(20_000_000, (10_000_000, extra))
+    slow, slow_pages = _step_ns(30_000_000, (10_000_000, extra))
     plain_quick, _ = _step_ns(1_000, None)
-    plain_slow, _ = _step_ns(20_000_000, None)
-    # b reuses a's pages 1 us after their free: fast; 20 ms after (two 10 ms periods):
+    plain_slow, _ = _step_ns(30_000_000, None)
+    # b reuses a's pages 1 us after their free: fast; 30 ms after (three 10 ms periods):
     # reported. a reuses the pages b freed just before, at the end of the step before.
     assert quick == plain_quick and quick_pages == {}
     assert slow_pages == {"optimizer": 64 * MIB}
