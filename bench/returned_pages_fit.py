@@ -131,6 +131,8 @@ def folder_reuses(folder: Path, from_step: int) -> list[Reuse]:
             if not fast or not extra:
                 continue
             trace = json.loads(measured.read_text())
+            if "columns" not in trace:
+                continue  # a framework row's step and phase times: no ops to walk
             cols = trace["columns"]
             for rank, prog_index in enumerate(sched["rank_program"]):
                 rows = [r for r in trace["rows"] if r[0] == rank]

@@ -72,6 +72,10 @@ def test_a_folder_is_read_row_by_row_with_each_runs_profile(tmp_path, capsys, mo
     (tmp_path / "measured0.json").write_text(json.dumps({"columns": COLUMNS, "rows": _rows(0, 0, 0.5, 1.5)}))
     (tmp_path / "profile0.mean.json").write_text(json.dumps({"alloc": {"first_touch_ns_per_byte": 0.5,
                                                                        "reported_page_extra_ns_per_byte": 2.0}}))
+    # a framework row (step and phase times only) is passed over
+    (tmp_path / "sched1.json").write_text((tmp_path / "sched0.json").read_text())
+    (tmp_path / "measured1.json").write_text(json.dumps({"step_times_s": [1.0], "phase_times_s": {}}))
+    (tmp_path / "profile1.mean.json").write_text((tmp_path / "profile0.mean.json").read_text())
     got = rf.folder_reuses(tmp_path, from_step=0)
     assert [(r.row, r.label, r.slow_share) for r in got] == [("small z2", "a", 0.0), ("small z2", "b", 0.5)]
     monkeypatch.setattr(sys, "argv", ["returned_pages_fit.py", str(tmp_path), "--from-step", "0"])
