@@ -64,19 +64,19 @@ class ReturnedPages:
 
     def take(self, now_ns: int, nbytes: int) -> int:
         """Fresh pages for ``nbytes`` written at ``now_ns``, the newest returns first:
-        returns how many of those bytes are reported pages: each return's
-        ``reported_share`` by its age, and all beyond what was returned."""
+        returns how many of those bytes are reported pages. The returns still kept are
+        all fast (``_forget`` drops the reported ones), so that is what they do not
+        cover."""
         self._forget(now_ns)
-        need, reported = nbytes, 0.0
+        need = nbytes
         while need and self.stack:
             top = self.stack[-1]
             got = min(need, top[0])
-            reported += got * self.reported_share(now_ns - top[1])
             top[0] -= got
             need -= got
             if top[0] == 0:
                 self.stack.pop()
-        return int(reported) + need
+        return need
 
     def reported_share(self, age_ns: int) -> float:
         """The share of pages freed ``age_ns`` ago that the guest has reported: none
@@ -84,10 +84,10 @@ class ReturnedPages:
         return 0.0 if age_ns < FAST_FOR_PERIODS * self.period_ns else 1.0
 
     def _forget(self, now_ns: int) -> None:
-        """Returns FAST_FOR_PERIODS periods old are all reported: the same as none (the
-        guest's free memory at large), so they need not be kept."""
+        """Reported returns, the oldest ones, are the same as none (the guest's free
+        memory at large), so they are not kept."""
         old = 0
-        while old < len(self.stack) and now_ns - self.stack[old][1] >= FAST_FOR_PERIODS * self.period_ns:
+        while old < len(self.stack) and self.reported_share(now_ns - self.stack[old][1]) == 1.0:
             old += 1
         if old:
             del self.stack[:old]
