@@ -75,7 +75,7 @@ def measured_phases(row: "Row", out: Path, pred_trace) -> tuple[dict[str, float]
         measured = {_DS_PHASES[k]: statistics.median(v[warmup:]) for k, v in obj.items()}
         return predicted, measured, {}
     c = compare(pred_trace, Trace.load(out))
-    predicted["communication"] = c.predicted.comm_ns / 1e9
+    predicted["communication"] = c.predicted_comm_ns / 1e9
     measured = {p: ns / 1e9 for p, ns in c.measured_phase_ns.items()}
     ops = c.percentiles()
     gemm = c.busy_by_kind().get("gemm")

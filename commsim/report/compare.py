@@ -89,6 +89,7 @@ class Comparison:
     measured: StepView
     op_errors: list[tuple[float, int, int, TraceRecord]]  # (signed rel. error, predicted ns, measured ns, record)
     measured_phase_ns: dict[str, float]  # median over steps, per STEP_PHASES and "communication"
+    predicted_comm_ns: float  # communication time, the mean over the predicted ranks (comm_ns)
 
     @property
     def step_time_error_frac(self) -> float:
@@ -97,8 +98,13 @@ class Comparison:
     def phase_errors(self) -> dict[str, float]:
         """(predicted - measured) / measured of each phase's wall time and of the total
         communication time (phases the measurement did not see are left out)."""
-        pred = dict(self.predicted.phase_ns, communication=self.predicted.comm_ns)
+        pred = self.predicted_phase_ns()
         return {p: (pred[p] - m) / m for p, m in self.measured_phase_ns.items() if m > 0}
+
+    def predicted_phase_ns(self) -> dict[str, float]:
+        """The predicted wall time of each of STEP_PHASES (the compared rank's) and the
+        communication time (the mean over the predicted ranks)."""
+        return dict(self.predicted.phase_ns, communication=self.predicted_comm_ns)
 
     def percentiles(self) -> dict[str, float]:
         errs = sorted(e for e, *_ in self.op_errors)
@@ -135,7 +141,7 @@ class Comparison:
             "measured_step_s": self.measured_step_ns / 1e9,
             "measured_step_spread_s": self.measured_step_spread_ns / 1e9,
             "predicted": view(self.predicted), "measured": view(self.measured),
-            "phase_s": {p: {"predicted": dict(self.predicted.phase_ns, communication=self.predicted.comm_ns)[p] / 1e9,
+            "phase_s": {p: {"predicted": self.predicted_phase_ns()[p] / 1e9,
                             "measured": m / 1e9} for p, m in self.measured_phase_ns.items()},
             "phase_error_frac": self.phase_errors(),
             "op_duration_error": self.percentiles(),
@@ -175,8 +181,24 @@ def compare(predicted: Trace, measured: Trace, rank: int = 0) -> Comparison:
             errors.append(((p - m) / m if m else 0.0, p, int(m), r))
     spread = (max(step_times) - min(step_times)) / 2 if step_times else 0.0
     phases = {p: float(statistics.median(v.phase_ns[p] for v in views)) for p in STEP_PHASES}
-    phases["communication"] = float(statistics.median(v.comm_ns for v in views))
-    return Comparison(float(pv.step_ns), float(med), float(spread), pv, mv, errors, phases)
+    # Communication time holds the time a rank waits in a collective for its peers, which
+    # falls to whichever rank is ahead: in a measurement to each rank by turns, in one
+    # simulated draw of the ranks' speeds often to one rank throughout. The mean over
+    # ranks is what does not depend on which rank is looked at.
+    phases["communication"] = float(statistics.median(_mean_comm_ns(measured.records, s) for s in steps
+                                                      if per_step[s]))
+    return Comparison(float(pv.step_ns), float(med), float(spread), pv, mv, errors, phases,
+                      _mean_comm_ns(predicted.records, 0))
+
+
+def _mean_comm_ns(records: list[TraceRecord], step: int) -> float:
+    """One step's communication time (StepView.comm_ns), the mean over the ranks that
+    recorded the step."""
+    by_rank: dict[int, list[TraceRecord]] = {}
+    for r in records:
+        if r.step == step:
+            by_rank.setdefault(r.rank, []).append(r)
+    return statistics.mean(step_view(rs).comm_ns for rs in by_rank.values()) if by_rank else 0.0
 
 
 def format_comparison(c: Comparison, n_worst: int = 8) -> str:
@@ -190,7 +212,7 @@ def format_comparison(c: Comparison, n_worst: int = 8) -> str:
         return f"  {name:<20}{p_ns / 1e6:>14.2f}{m_ns / 1e6:>14.2f}"
 
     errs = c.phase_errors()
-    pred = dict(c.predicted.phase_ns, communication=c.predicted.comm_ns)
+    pred = c.predicted_phase_ns()
     for p, m in c.measured_phase_ns.items():
         lines.append(row(p, pred[p], m) + (f"{errs[p]:>+9.1%}" if p in errs else ""))
     lines.append(f"{'busy per stream':<22}{'predicted ms':>14}{'measured ms':>14}")
