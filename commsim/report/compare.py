@@ -4,7 +4,8 @@ communication, and per-op duration errors, with the largest discrepancies named.
 Both traces are in commsim's schema: the predicted one from ``commsim predict --trace``
 (the simulated step; symmetric mode holds rank 0 only), the measured one from
 ``commsim execute`` (several measured steps). Ops are matched by (rank, op id); a
-measured op's duration is its mean over the measured steps.
+measured op's duration is its mean over the measured steps. Phases are rank 0's; the
+communication time is the mean over the ranks (see ``compare``).
 """
 
 from __future__ import annotations
