@@ -93,8 +93,8 @@ def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
             # included: where an executor's timer (or a CUDA event, a profiler's NCCL kernel)
             # starts it, so predicted and measured communication times mean the same.
             recs.append(TraceRecord(r.rank, r.stream, int(r.op.id), op_kind_name(r.op), r.op.label,
-                                    r.start_ns - r.wait_peers_ns, r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0, r.op.phase.value,
-                                    *collective_columns(r.op)))
+                                    r.start_ns - r.wait_peers_ns, r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0,
+                                    r.op.phase.value, *collective_columns(r.op)))
     meta = TraceMeta(TraceSource.PREDICTED, producer="commsim.sim", schedule_hash=schedule_hash(schedule),
                      hardware=hardware, seed=result.seed, extra=(("mode", result.mode), ("jitter", result.jitter)))
     return make_trace(meta, recs)

@@ -26,7 +26,7 @@ def step_of(step, t0, late_rank):
 
 def test_communication_is_the_mean_over_ranks():
     pred = Trace(TraceMeta(TraceSource.PREDICTED, producer="test"), tuple(step_of(0, 0, late_rank=1)))
-    # the measured steps: rank 1 late, then rank 0, then rank 1 (rank 0 waits in the median step)
+    # the measured steps: rank 1 late, then rank 0, then rank 1
     meas = Trace(TraceMeta(TraceSource.RECORDED, producer="test"),
                  tuple(step_of(1, 0, 1) + step_of(2, 1000, 0) + step_of(3, 2000, 1)))
     c = compare(pred, meas)
