@@ -114,8 +114,10 @@ def reuses(program: list[dict], rows: list[list], columns: list[str], row_name: 
     return out
 
 
-def folder_reuses(folder: Path, from_step: int) -> list[Reuse]:
-    """Every executor row's large allocations in a validate_local work folder."""
+def folder_reuses(folder: Path, from_step: int, skipped: list[str] | None = None) -> list[Reuse]:
+    """Every executor row's large allocations in a validate_local work folder; the runs
+    whose profile gives no reported page's extra (calibrate met no reported pages) are
+    named in ``skipped``: a slow share needs that extra."""
     names = json.loads((folder / "rows.json").read_text())["rows"] if (folder / "rows.json").exists() else []
     out = []
     for sched_path in sorted(folder.glob("sched*.json")):
@@ -128,11 +130,14 @@ def folder_reuses(folder: Path, from_step: int) -> list[Reuse]:
                 continue
             alloc = json.loads(profile.read_text()).get("alloc", {})
             fast, extra = alloc.get("first_touch_ns_per_byte"), alloc.get("reported_page_extra_ns_per_byte")
-            if not fast or not extra:
-                continue
             trace = json.loads(measured.read_text())
             if "columns" not in trace:
                 continue  # a framework row's step and phase times: no ops to walk
+            if not fast or not extra:
+                if skipped is not None:
+                    what = "first-touch rate" if not fast else "reported page's extra"
+                    skipped.append(f"{folder.name}: {name}, run {2 if suffix else 1}: {profile.name} has no {what}")
+                continue
             cols = trace["columns"]
             for rank, prog_index in enumerate(sched["rank_program"]):
                 rows = [r for r in trace["rows"] if r[0] == rank]
@@ -181,11 +186,14 @@ def main() -> None:
     ap.add_argument("--period", type=float, default=2.05,
                     help="the guest's reporting period in seconds for the model's column (default 2.05)")
     args = ap.parse_args()
-    data = []
+    data: list[Reuse] = []
+    skipped: list[str] = []
     for f in args.folders:
         if not f.is_dir():
             sys.exit(f"returned_pages_fit.py: {f}: not a folder")
-        data += folder_reuses(f, args.from_step)
+        data += folder_reuses(f, args.from_step, skipped)
+    for line in skipped:
+        print(f"skipped {line}", file=sys.stderr)
     if not data:
         sys.exit("returned_pages_fit.py: no executor rows with measured runs and profiles in the folders given")
     print(f"{len(data)} large allocations ({len({(r.row, r.rank) for r in data})} row-ranks)")

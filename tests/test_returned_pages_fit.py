@@ -76,11 +76,18 @@ def test_a_folder_is_read_row_by_row_with_each_runs_profile(tmp_path, capsys, mo
     (tmp_path / "sched1.json").write_text((tmp_path / "sched0.json").read_text())
     (tmp_path / "measured1.json").write_text(json.dumps({"step_times_s": [1.0], "phase_times_s": {}}))
     (tmp_path / "profile1.mean.json").write_text((tmp_path / "profile0.mean.json").read_text())
-    got = rf.folder_reuses(tmp_path, from_step=0)
+    # a second run whose calibration met no reported pages: named, not counted
+    (tmp_path / "measured0.2.json").write_text((tmp_path / "measured0.json").read_text())
+    (tmp_path / "profile0.mean.2.json").write_text(json.dumps({"alloc": {"first_touch_ns_per_byte": 0.5}}))
+    skipped = []
+    got = rf.folder_reuses(tmp_path, from_step=0, skipped=skipped)
     assert [(r.row, r.label, r.slow_share) for r in got] == [("small z2", "a", 0.0), ("small z2", "b", 0.5)]
+    assert skipped == [f"{tmp_path.name}: small z2, run 2: profile0.mean.2.json has no reported page's extra"]
     monkeypatch.setattr(sys, "argv", ["returned_pages_fit.py", str(tmp_path), "--from-step", "0"])
     rf.main()
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert captured.err == f"skipped {skipped[0]}\n"
     assert out.startswith("2 large allocations (1 row-ranks)\n")
     assert out.splitlines()[2:4] == ["    1-1.25            1       32       50.0%    0.0%",
                                      "     never            1       64        0.0%  100.0%"]
