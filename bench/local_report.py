@@ -63,7 +63,10 @@ def measured_phases(row: "Row", out: Path, pred_trace) -> tuple[dict[str, float]
     where the run recorded its collectives, in seconds (measured: the median over the
     measured steps), and the per-op error percentiles (executor runs), with the GEMMs'
     time a step predicted and measured (``gemm_pred_s``, ``gemm_meas_s``): an error the
-    GEMMs share is the machine's speed during the run against its calibrations'."""
+    GEMMs share is the machine's speed during the run against its calibrations'; and the
+    communication's split into the collectives' own time and the ranks' waits for their
+    peers (``own_pred_s``, ``own_meas_s``, ``wait_pred_s``, ``wait_meas_s``: compare's
+    ``comm_split``)."""
     from commsim.ir.trace import Trace
     from commsim.report.compare import compare, phase_times
 
@@ -81,6 +84,9 @@ def measured_phases(row: "Row", out: Path, pred_trace) -> tuple[dict[str, float]
     gemm = c.busy_by_kind().get("gemm")
     if ops and gemm and gemm[1]:
         ops["gemm_pred_s"], ops["gemm_meas_s"] = gemm[0] / 1e9, gemm[1] / 1e9
+    if ops and c.measured_comm_split_ns[0]:
+        (ops["own_pred_s"], ops["wait_pred_s"]), (ops["own_meas_s"], ops["wait_meas_s"]) = (
+            (x / 1e9 for x in c.predicted_comm_split_ns), (x / 1e9 for x in c.measured_comm_split_ns))
     return predicted, measured, ops
 
 
@@ -172,6 +178,11 @@ def report_row(row: "Row", preds: list[float], meass: list[float], phase_runs: d
         print("    GEMMs, ms a step (predicted / measured), each run: " + ", ".join(
             f"{o['gemm_pred_s'] * 1e3:.0f} / {o['gemm_meas_s'] * 1e3:.0f} "
             f"({(o['gemm_pred_s'] - o['gemm_meas_s']) / o['gemm_meas_s']:+.0%})" for o in gemms), flush=True)
+    splits = [o for o in ops if "own_meas_s" in o]
+    if splits:
+        print("    communication, ms a step (predicted / measured), each run: " + ", ".join(
+            f"own {o['own_pred_s'] * 1e3:.0f} / {o['own_meas_s'] * 1e3:.0f}, waits for peers "
+            f"{o['wait_pred_s'] * 1e3:.0f} / {o['wait_meas_s'] * 1e3:.0f}" for o in splits), flush=True)
     for label, runs in (("fresh pages", page_runs), ("reported pages", reported_runs)):
         if runs:
             print(f"    {label}, MiB a step (predicted / measured): " + ", ".join(

@@ -91,6 +91,10 @@ class Comparison:
     op_errors: list[tuple[float, int, int, TraceRecord]]  # (signed rel. error, predicted ns, measured ns, record)
     measured_phase_ns: dict[str, float]  # median over steps, per STEP_PHASES and "communication"
     predicted_comm_ns: float  # communication time, the mean over the predicted ranks (comm_ns)
+    # the collectives' own time and the waits for peers (comm_split): predicted, and the
+    # median over the measured steps of each
+    predicted_comm_split_ns: tuple[float, float] = (0.0, 0.0)
+    measured_comm_split_ns: tuple[float, float] = (0.0, 0.0)
 
     @property
     def step_time_error_frac(self) -> float:
@@ -145,6 +149,10 @@ class Comparison:
             "phase_s": {p: {"predicted": self.predicted_phase_ns()[p] / 1e9,
                             "measured": m / 1e9} for p, m in self.measured_phase_ns.items()},
             "phase_error_frac": self.phase_errors(),
+            "communication_split_s": {
+                name: {"predicted": self.predicted_comm_split_ns[i] / 1e9,
+                       "measured": self.measured_comm_split_ns[i] / 1e9}
+                for i, name in enumerate(("own", "peer_wait"))},
             "op_duration_error": self.percentiles(),
             "busy_s_by_kind": {k: {"predicted": p / 1e9, "measured": m / 1e9}
                                for k, (p, m) in self.busy_by_kind().items()},
@@ -188,8 +196,39 @@ def compare(predicted: Trace, measured: Trace, rank: int = 0) -> Comparison:
     # ranks is what does not depend on which rank is looked at.
     phases["communication"] = float(statistics.median(_mean_comm_ns(measured.records, s) for s in steps
                                                       if per_step[s]))
+    splits = [comm_split(measured.records, s) for s in steps if per_step[s]]
+    measured_split = (float(statistics.median(x[0] for x in splits)), float(statistics.median(x[1] for x in splits)))
     return Comparison(float(pv.step_ns), float(med), float(spread), pv, mv, errors, phases,
-                      _mean_comm_ns(predicted.records, 0))
+                      _mean_comm_ns(predicted.records, 0), comm_split(predicted.records, 0), measured_split)
+
+
+def comm_split(records: list[TraceRecord], step: int) -> tuple[float, float]:
+    """One step's collectives as (their own time, the ranks' waits for their peers), ns,
+    each summed over the step's collectives and averaged over the ranks that recorded the
+    step. A collective ends on all its members at about the same time (within a hop), so
+    the member that arrived last waited for nobody: the shortest member's duration is the
+    collective's own time, and each member's duration beyond it is its wait. Durations
+    only, so ranks on different hosts' clocks compare as well as one node's. A collective
+    that only one rank recorded (a symmetric prediction holds rank 0) is all own time.
+    Where communication is off, this says whether it is the wire and the collective
+    (own) or the ranks arriving apart (waits: host, allocator or kernel time that
+    differs between ranks)."""
+    members: dict[tuple[int, str], list[TraceRecord]] = {}
+    ranks: set[int] = set()
+    for r in records:
+        if r.step != step:
+            continue
+        ranks.add(r.rank)
+        if r.kind in COLLECTIVES:
+            members.setdefault((r.op_id, r.group), []).append(r)
+    if not ranks:
+        return 0.0, 0.0
+    own = wait = 0
+    for rs in members.values():
+        shortest = min(r.duration_ns for r in rs)
+        own += shortest * len(rs)
+        wait += sum(r.duration_ns - shortest for r in rs)
+    return own / len(ranks), wait / len(ranks)
 
 
 def _mean_comm_ns(records: list[TraceRecord], step: int) -> float:
@@ -216,6 +255,9 @@ def format_comparison(c: Comparison, n_worst: int = 8) -> str:
     pred = c.predicted_phase_ns()
     for p, m in c.measured_phase_ns.items():
         lines.append(row(p, pred[p], m) + (f"{errs[p]:>+9.1%}" if p in errs else ""))
+    for i, name in enumerate(("  collectives' own", "  waits for peers")):
+        p_ns, m_ns = c.predicted_comm_split_ns[i], c.measured_comm_split_ns[i]
+        lines.append(row(name, p_ns, m_ns) + (f"{(p_ns - m_ns) / m_ns:>+9.1%}" if m_ns else ""))
     lines.append(f"{'busy per stream':<22}{'predicted ms':>14}{'measured ms':>14}")
 
     for s in sorted(set(c.predicted.busy_by_stream) | set(c.measured.busy_by_stream)):

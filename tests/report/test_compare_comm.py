@@ -1,16 +1,19 @@
 """compare's communication time: the time a rank's collectives are in flight, from the
 moment the rank reaches each one (its wait for its peers included, as an executor and a
 profiler record it), the mean over the ranks, since that wait falls to whichever rank is
-ahead; and a predicted trace's collectives start where their rank reached them."""
+ahead; and a predicted trace's collectives start where their rank reached them. Its
+split into the collectives' own time and the ranks' waits for their peers."""
+
+from dataclasses import replace
 
 from commsim.api import Scenario, predict
 from commsim.ir.trace import Trace, TraceMeta, TraceRecord, TraceSource
-from commsim.report.compare import compare
+from commsim.report.compare import comm_split, compare, format_comparison
 
 
-def rec(rank, op_id, kind, start_us, end_us, step, stream="compute"):
+def rec(rank, op_id, kind, start_us, end_us, step, stream="compute", group=""):
     return TraceRecord(rank, stream, op_id, kind, f"op{op_id}", start_us * 1000, end_us * 1000,
-                       0, 0, step, "fwd", "fp32", "")
+                       0, 0, step, "fwd", "fp32", group)
 
 
 def step_of(step, t0, late_rank):
@@ -59,3 +62,41 @@ def test_predicted_collectives_start_where_their_rank_reached_them():
     for r in waited:
         t = rows[(r.rank, int(r.op.id), r.stream)]
         assert (t.start_ns, t.end_ns) == (r.start_ns - r.wait_peers_ns, r.end_ns)
+
+
+def test_communication_splits_into_own_time_and_waits_for_peers():
+    # the early rank's all-gather lasts 50 us, the late rank's 20: the late rank waited
+    # for nobody, so 20 us is the collective's own time and the early rank waited 30;
+    # over the two ranks: 20 us own, 15 us waiting, in every step, whichever rank is late
+    pred = Trace(TraceMeta(TraceSource.PREDICTED, producer="test"), tuple(step_of(0, 0, late_rank=1)))
+    meas = Trace(TraceMeta(TraceSource.RECORDED, producer="test"),
+                 tuple(step_of(1, 0, 1) + step_of(2, 1000, 0) + step_of(3, 2000, 1)))
+    c = compare(pred, meas)
+    assert c.predicted_comm_split_ns == (20_000, 15_000)
+    assert c.measured_comm_split_ns == (20_000, 15_000)
+    assert c.to_json()["communication_split_s"] == {"own": {"predicted": 20e-6, "measured": 20e-6},
+                                                    "peer_wait": {"predicted": 15e-6, "measured": 15e-6}}
+    text = format_comparison(c)
+    assert "collectives' own" in text and "waits for peers" in text
+
+
+def test_the_split_needs_no_common_clock():
+    # ranks on different hosts: rank 1's clock a second ahead of rank 0's; only
+    # durations are compared, so the split is the same
+    recs = step_of(1, 0, late_rank=1)
+    shifted = [replace(r, start_ns=r.start_ns + 10**9, end_ns=r.end_ns + 10**9) if r.rank == 1 else r for r in recs]
+    assert comm_split(shifted, 1) == comm_split(recs, 1) == (20_000, 15_000)
+
+
+def test_the_split_keeps_groups_apart():
+    # one op id, two groups (each pair of ranks its own): each group's shortest member
+    # sets its own time; the sums are averaged over the four ranks
+    recs = [rec(0, 7, "all_gather", 0, 10, 0, group="0,1"), rec(1, 7, "all_gather", 0, 40, 0, group="0,1"),
+            rec(2, 7, "all_gather", 0, 25, 0, group="2,3"), rec(3, 7, "all_gather", 0, 25, 0, group="2,3")]
+    assert comm_split(recs, 0) == ((10_000 * 2 + 25_000 * 2) / 4, 30_000 / 4)
+
+
+def test_a_collective_one_rank_recorded_is_all_own_time():
+    recs = [rec(0, 1, "gemm", 0, 100, 0), rec(0, 2, "all_gather", 100, 160, 0, stream="allgather")]
+    assert comm_split(recs, 0) == (60_000, 0.0)
+    assert comm_split(recs, 5) == (0.0, 0.0)  # no such step
