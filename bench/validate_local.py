@@ -32,7 +32,9 @@ a veth pair rate-limited with tc (root only), each calibrated over that link.
 Each row also reports the error of each phase of the step as wall time (forward,
 backward with recompute, the optimizer step; boundaries as a training script's timer
 sees them: ``commsim.report.compare.phase_times``) and of the total communication time
-(executor rows), and the per-op median and p90 error; a framework's rows also report
+(executor rows), and the per-op median and p90 error; executor rows also split the
+communication into the collectives' own time and the ranks' waits for their peers
+(``commsim.report.compare.comm_split``); a framework's rows also report
 each phase's fresh host pages a step, the simulated heap's against the minor page
 faults the run counted; and what else the machine ran beside each run and calibration
 (``bench/machine_load.py``: the share of CPU time other processes used, the share the
