@@ -210,7 +210,8 @@ def comm_split(records: list[TraceRecord], step: int) -> tuple[float, float]:
     collective's own time, and each member's duration beyond it is its wait. Durations
     only, so ranks on different hosts' clocks compare as well as one node's. A collective
     that only one rank recorded (a symmetric prediction holds rank 0) is all own time.
-    Where communication is off, this says whether it is the wire and the collective
+    A member that learns of the end late (its thread woken a scheduler tick after it)
+    counts that delay as its wait. Where communication is off, this says whether it is the wire and the collective
     (own) or the ranks arriving apart (waits: host, allocator or kernel time that
     differs between ranks)."""
     members: dict[tuple[int, str], list[TraceRecord]] = {}
@@ -257,6 +258,8 @@ def format_comparison(c: Comparison, n_worst: int = 8) -> str:
         lines.append(row(p, pred[p], m) + (f"{errs[p]:>+9.1%}" if p in errs else ""))
     for i, name in enumerate(("  collectives' own", "  waits for peers")):
         p_ns, m_ns = c.predicted_comm_split_ns[i], c.measured_comm_split_ns[i]
+        if not (p_ns or m_ns):
+            continue  # no collectives on either side
         lines.append(row(name, p_ns, m_ns) + (f"{(p_ns - m_ns) / m_ns:>+9.1%}" if m_ns else ""))
     lines.append(f"{'busy per stream':<22}{'predicted ms':>14}{'measured ms':>14}")
 

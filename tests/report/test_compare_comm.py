@@ -100,3 +100,11 @@ def test_a_collective_one_rank_recorded_is_all_own_time():
     recs = [rec(0, 1, "gemm", 0, 100, 0), rec(0, 2, "all_gather", 100, 160, 0, stream="allgather")]
     assert comm_split(recs, 0) == (60_000, 0.0)
     assert comm_split(recs, 5) == (0.0, 0.0)  # no such step
+
+
+def test_without_collectives_the_split_is_not_printed():
+    pred = Trace(TraceMeta(TraceSource.PREDICTED, producer="test"), (rec(0, 1, "gemm", 0, 100, 0),))
+    meas = Trace(TraceMeta(TraceSource.RECORDED, producer="test"), (rec(0, 1, "gemm", 0, 90, 1),))
+    c = compare(pred, meas)
+    assert c.predicted_comm_split_ns == c.measured_comm_split_ns == (0.0, 0.0)
+    assert "waits for peers" not in format_comparison(c)
