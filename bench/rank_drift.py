@@ -35,7 +35,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commsim.hardware.noise import fit_rank_noise  # noqa: E402
+from commsim.hardware.noise import binned_log_series, fit_rank_noise  # noqa: E402
 
 CALIBRATE_SPAN_NS = 4_000_000_000  # calibrate's drift span (runtime/calibrate_cpu.py)
 WINDOWS_S = (0.1, 0.5, 1.0, 1.5, 3.0)
@@ -62,24 +62,6 @@ while True:
     times.append(time.perf_counter_ns() - t)
 json.dump({"starts": starts, "times": times}, open(out, "w"))
 """
-
-
-def binned_log_series(starts_ns: Sequence[int], times_ns: Sequence[int], bin_ns: int, span_ns: int) -> list[float]:
-    """Calibrate's series: per bin, the mean log of the calls' times over their median; a
-    bin with no call started in it repeats the previous bin's value."""
-    assert starts_ns and len(starts_ns) == len(times_ns), "needs the calls' starts and times"
-    med = statistics.median(times_ns)
-    nbins = max(1, span_ns // bin_ns)
-    sums, counts = [0.0] * nbins, [0] * nbins
-    for st, dt in zip(starts_ns, times_ns):
-        b = min(st // bin_ns, nbins - 1)
-        sums[b] += math.log(dt / med)
-        counts[b] += 1
-    out, last = [], 0.0
-    for sm, c in zip(sums, counts):
-        last = sm / c if c else last
-        out.append(last)
-    return out
 
 
 def ou_window_sd(sd: float, corr_ns: float, window_ns: float) -> float:

@@ -11,7 +11,6 @@ on a GPU, and where the cores are not shared (time slice) or are (drift). Times 
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -20,7 +19,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from commsim.hardware.noise import STALL_SLICES, fit_rank_noise, fit_rank_stalls, pool_rank_stalls
+from commsim.hardware.noise import (STALL_SLICES, binned_log_series, fit_rank_noise, fit_rank_stalls,
+                                    pool_rank_stalls)
 from commsim.hardware.platform import RankStalls
 from commsim.ir import ops as O
 from runtime.kernels import last_level_cache_bytes
@@ -64,16 +64,7 @@ def rank_noise(cal: Calibrator, cores: int) -> tuple[dict[str, float] | None, di
         starts.append(t - t0)
         times.append(time.perf_counter_ns() - t)
     med = statistics.median(times)
-    nbins = span_ns // bin_ns
-    sums, counts = [0.0] * nbins, [0] * nbins
-    for st, dt in zip(starts, times):
-        b = min(st // bin_ns, nbins - 1)
-        sums[b] += math.log(dt / med)
-        counts[b] += 1
-    series, last = [], 0.0
-    for sm, c in zip(sums, counts):
-        last = sm / c if c else last  # a bin with no kernel start (descheduled): the previous
-        series.append(last)
+    series = binned_log_series(starts, times, bin_ns, span_ns)
     mine = torch.tensor(series, dtype=torch.float64, device=cal.device)  # on the group's device
     every = [torch.empty_like(mine) for _ in range(cal.world)]
     dist.all_gather(every, mine)

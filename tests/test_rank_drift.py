@@ -1,4 +1,5 @@
-"""bench/rank_drift.py's pure parts: calibrate's binning, the OU's window sd, window means."""
+"""bench/rank_drift.py's pure parts and the binning it shares with calibrate
+(``commsim.hardware.noise.binned_log_series``): the OU's window sd, window means."""
 
 import math
 import random
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from rank_drift import binned_log_series, ou_window_sd, window_sd  # noqa: E402
+from rank_drift import ou_window_sd, window_sd  # noqa: E402
+
+from commsim.hardware.noise import binned_log_series  # noqa: E402
 
 
 def test_binning_is_calibrates():

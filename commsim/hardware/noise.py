@@ -22,6 +22,25 @@ from typing import Sequence
 STALL_SLICES = 32
 
 
+def binned_log_series(starts_ns: Sequence[int], times_ns: Sequence[int], bin_ns: int, span_ns: int) -> list[float]:
+    """One rank's series for ``fit_rank_noise``: per time bin, the mean log of the times
+    of the kernels started in it over their median; a bin where no kernel started (the
+    rank descheduled) repeats the previous bin's value."""
+    assert starts_ns and len(starts_ns) == len(times_ns), "needs the kernels' starts and times"
+    med = statistics.median(times_ns)
+    nbins = max(1, span_ns // bin_ns)
+    sums, counts = [0.0] * nbins, [0] * nbins
+    for st, dt in zip(starts_ns, times_ns):
+        b = min(st // bin_ns, nbins - 1)
+        sums[b] += math.log(dt / med)
+        counts[b] += 1
+    out, last = [], 0.0
+    for sm, c in zip(sums, counts):
+        last = sm / c if c else last
+        out.append(last)
+    return out
+
+
 def fit_rank_noise(series: Sequence[Sequence[float]], bin_ns: int, max_lag: int = 30) -> tuple[float, int]:
     """(sd of a rank's log speed, correlation time ns); (0, 0) when no correlated drift
     is found (fewer than two positive lags). A slope that does not decay within the
