@@ -24,7 +24,7 @@ from runtime.calibrate_cpu import cpu_cores
 from runtime.calibrate_profile import host_memory
 from runtime.executor import RankExecutor, RankOptions
 from runtime.page_reporting import balloon_reports, reported_extra, reported_met, reporting_period_s
-from runtime.timing import HostTimer, latency_bandwidth, per_call
+from runtime.timing import HOST_MAX_CALLS, HostTimer, latency_bandwidth, per_call
 
 # the most a rank holds to find reported pages: past the guest's unreported free pages
 # (768 MiB to 1.75 GiB on this project's VM: traces/README.md)
@@ -46,7 +46,8 @@ class HostMeasurements:
     def launch_costs(self) -> dict[str, Any] | None:
         """CPUs: a framework's host cost per kernel on this machine, for the schedule's
         launch host ops: one small PyTorch op's dispatch (``x.mul_(1.0)`` on 256
-        elements, whose kernel is a few ns), the mean of a batch, the ranks' mean.
+        elements, whose kernel is a few ns), the mean of a batch that lasts the whole
+        ``min_s`` (``runtime.timing.HOST_MAX_CALLS``), the ranks' mean.
         A CPU has no cudaLaunchKernel, which the default launch costs include. A
         collective's launch is 0: its call is priced by the backend's own measured call
         time (``call_points``), which includes c10d's dispatch. None on GPUs, whose
@@ -54,7 +55,8 @@ class HostMeasurements:
         if not self.platform.inline_kernels:
             return None
         x = torch.zeros(256, device=self.device)
-        t = per_call(HostTimer(), lambda: x.mul_(1.0), self.min_s, self.agree, result=self.rank_mean)
+        t = per_call(HostTimer(), lambda: x.mul_(1.0), self.min_s, self.agree, result=self.rank_mean,
+                     max_calls=HOST_MAX_CALLS)
         self.log(f"launch: {t * 1e6:.2f} us per PyTorch op's dispatch")
         return {"launch_ns": int(t * 1e9), "collective_launch_ns": 0,
                 "source": "launches timed by commsim calibrate (a PyTorch op's dispatch on this CPU; collective calls "

@@ -125,6 +125,15 @@ class CudaTimer:
 # timed to better than 1%.
 MIN_CALLS = 3
 MAX_CALLS = 200
+# A batch of host-thread calls of a few microseconds (a PyTorch op's dispatch) is capped
+# here instead, so that it lasts the whole ``min_s``: capped at MAX_CALLS, a 3 us call's
+# batch lasted 0.6 ms, and one time slice of another process inside it (1-4 ms on the
+# development VM) made the mean 40x the call's cost (129 us for a 3-5 us dispatch).
+# Over ``min_s`` (25 ms quick, 200 ms full) such slices count at their share of the
+# time, as they do in a step.
+HOST_MAX_CALLS = 1_000_000
+# Times a batch may be sized again (``per_call``) when it lasted under half of ``min_s``.
+RESIZES = 3
 
 
 def calls_for(first_s: float, min_s: float, lo: int = MIN_CALLS, hi: int = MAX_CALLS) -> int:
@@ -135,20 +144,33 @@ def calls_for(first_s: float, min_s: float, lo: int = MIN_CALLS, hi: int = MAX_C
 
 
 def per_call(timer: Timer, fn: Callable[[], Any], min_s: float, agree: Callable[[float], float],
-             min_calls: int = MIN_CALLS, result: Callable[[float], float] | None = None) -> float:
+             min_calls: int = MIN_CALLS, result: Callable[[float], float] | None = None,
+             max_calls: int = MAX_CALLS) -> float:
     """Seconds per call of ``fn``: one call first (a warm-up, and the estimate that
     sizes the batch), then one batch of at least ``min_calls``, timed whole. ``agree``
     makes every rank use the same figure (the largest) for the batch size, so that
     every rank makes the same calls; ``result`` (``agree`` where not given) makes the
     figure every rank returns: the largest, or the ranks' mean where each rank's own
-    cost is wanted.
+    cost is wanted. A batch that lasted under half of ``min_s`` though it could hold
+    more calls (the warm-up call was slow) is run again, sized from its own figure, up
+    to ``RESIZES`` times. ``max_calls`` caps the batch (``HOST_MAX_CALLS`` for calls of a few
+    microseconds on the host thread).
 
     The batch's mean, not a median of calls: where ranks time-slice a CPU, a call
     shorter than a slice usually runs at a whole core's speed and now and then waits
     out another rank's slice, and the mean is what such calls cost in a step."""
     first = agree(timer.batch(fn, 1))
-    n = calls_for(first, min_s, lo=min_calls)
-    return (result or agree)(timer.batch(fn, n) / n)
+    n = calls_for(first, min_s, lo=min_calls, hi=max_calls)
+    figure = (result or agree)(timer.batch(fn, n) / n)
+    for _ in range(RESIZES):
+        # a warm-up call that a time slice of another process landed in sized the batch
+        # far too small: size it again from the batch's figure (agreed: every rank
+        # decides alike, so every rank makes the same calls)
+        if n >= max_calls or n * figure >= min_s / 2:
+            break
+        n = calls_for(figure, min_s, lo=min_calls, hi=max_calls)
+        figure = (result or agree)(timer.batch(fn, n) / n)
+    return figure
 
 
 def covering_calls(span_s: float, call_s: float, margin: float = 2.0) -> int:

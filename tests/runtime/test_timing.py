@@ -4,7 +4,8 @@ directions. The CUDA timer itself needs a GPU (bench/gpu_check.py runs it)."""
 
 import pytest
 
-from runtime.timing import (MAX_CALLS, MIN_CALLS, HostTimer, calls_for, covering_calls, mutual_slowdown, per_call)
+from runtime.timing import (HOST_MAX_CALLS, MAX_CALLS, MIN_CALLS, RESIZES, HostTimer, calls_for, covering_calls,
+                            mutual_slowdown, per_call)
 
 
 class FakeTimer:
@@ -79,6 +80,42 @@ def test_per_call_can_return_the_ranks_mean():
     t = per_call(timer, lambda: None, 0.2, agree, result=mean)
     assert timer.batches == [1, 20]
     assert agreed == [0.005] and means == [pytest.approx(0.004)] and t == pytest.approx(0.006)
+
+
+class SlicedTimer(FakeTimer):
+    """Calls of ``cost_s``; the batches listed in ``slices`` (by index) also hold one
+    time slice of another process, ``slice_s`` long."""
+
+    def __init__(self, cost_s: float, slice_s: float, slices: set[int]):
+        super().__init__(cost_s)
+        self.slice_s, self.slices = slice_s, slices
+
+    def batch(self, fn, n):
+        k = len(self.batches)
+        return super().batch(fn, n) + (self.slice_s if k in self.slices else 0.0)
+
+
+def test_a_short_call_on_the_host_is_timed_over_the_whole_min_s():
+    """A 4 us call (a PyTorch op's dispatch) with a 3 ms time slice in its warm-up call:
+    capped at MAX_CALLS, the batch was sized from the slow warm-up and lasted well
+    under a millisecond; with HOST_MAX_CALLS it is sized again from its own figure
+    until it lasts about ``min_s``, and the slice of the first batch is not in the
+    figure."""
+    timer = SlicedTimer(4e-6, 3e-3, {0})
+    t = per_call(timer, lambda: None, 0.025, lambda x: x, max_calls=HOST_MAX_CALLS)
+    assert timer.batches == [1, 8, 6250] and t == pytest.approx(4e-6)
+    # a slice in the batch itself is counted at its share of the 25 ms: 4 us + 3 ms / 6250
+    timer = SlicedTimer(4e-6, 3e-3, {1})
+    assert per_call(timer, lambda: None, 0.025, lambda x: x, max_calls=HOST_MAX_CALLS) == \
+        pytest.approx(4e-6 + 3e-3 / 6250) and timer.batches == [1, 6250]
+    # capped at MAX_CALLS the same call is timed over 200 calls, and nothing is resized
+    timer = SlicedTimer(4e-6, 3e-3, {1})
+    t = per_call(timer, lambda: None, 0.025, lambda x: x)
+    assert timer.batches == [1, MAX_CALLS] and t == pytest.approx(4e-6 + 3e-3 / MAX_CALLS)
+    # every batch sliced: resized RESIZES times, then the last figure is kept
+    timer = SlicedTimer(4e-6, 3e-3, set(range(10)))
+    per_call(timer, lambda: None, 0.025, lambda x: x, max_calls=HOST_MAX_CALLS)
+    assert len(timer.batches) == 2 + RESIZES
 
 
 def test_host_timer_runs_every_call():
