@@ -7,12 +7,12 @@ Each process (pinned to a core of its own where there are enough) runs the GEMM 
 calibrate's drift measurement runs (``runtime.calibrate_cpu.rank_noise``: 256^3 fp32,
 one thread) back to back for ``--seconds``, all starting together. Their calls are
 binned as calibrate bins them (the mean log time over the median, 10 ms bins) and
-fitted with calibrate's fit (``commsim.hardware.noise.fit_rank_noise``) three ways:
-the first 4 s in 10 ms bins (what calibrate fits), the whole span in 10 ms bins, and
-the whole span in 100 ms bins. Then, for windows from 0.1 s to 3 s, the standard
-deviation of the two ranks' mean log-speed difference over each window, measured and
-as each fit predicts it (``ou_window_sd``): what decides how far apart two ranks reach
-a synchronisation after that much work. Last, the 1 s means of the difference, where a
+fitted with calibrate's fit (``commsim.hardware.noise.fit_rank_drift``: up to two OU
+components) twice: over the first 16 s (what a full calibration measures) and over the
+whole span. Then, for windows from 0.1 s to 3 s, the standard deviation of the two
+ranks' mean log-speed difference over each window, measured and as each fit predicts
+it (``drift_window_sd``): what decides how far apart two ranks reach a
+synchronisation after that much work. Last, the 1 s means of the difference, where a
 stretch of one core running slower for seconds shows. Figures from this machine are in
 traces/README.md ("The communication split into the collectives' own time and the waits
 for peers").
@@ -35,9 +35,9 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commsim.hardware.noise import binned_log_series, fit_rank_noise  # noqa: E402
+from commsim.hardware.noise import binned_log_series, fit_rank_drift, ou_window_var  # noqa: E402
 
-CALIBRATE_SPAN_NS = 4_000_000_000  # calibrate's drift span (runtime/calibrate_cpu.py)
+CALIBRATE_SPAN_NS = 16_000_000_000  # a full calibration's drift span (runtime/calibrate_cpu.py)
 WINDOWS_S = (0.1, 0.5, 1.0, 1.5, 3.0)
 
 _WORKER = r"""
@@ -64,15 +64,11 @@ json.dump({"starts": starts, "times": times}, open(out, "w"))
 """
 
 
-def ou_window_sd(sd: float, corr_ns: float, window_ns: float) -> float:
-    """The sd of the difference of two independent ranks' log-speed drifts, each an OU
-    process (``sd``, correlation ``corr_ns``), averaged over a window: for one process
-    Var = 2 sd^2 (tau / T)^2 (T / tau - 1 + exp(-T / tau)); the difference doubles it."""
-    if sd <= 0 or corr_ns <= 0:
-        return 0.0
-    x = window_ns / corr_ns
-    var = 2 * sd * sd * (x - 1 + math.exp(-x)) / (x * x)
-    return math.sqrt(2 * var)
+def drift_window_sd(comps: Sequence[tuple[float, int]], window_ns: float) -> float:
+    """The sd of the difference of two independent ranks' log-speed drifts, each the sum
+    of the OU components ``comps`` ((sd, correlation ns)), averaged over a window: twice
+    one rank's window variance (``commsim.hardware.noise.ou_window_var``)."""
+    return math.sqrt(2 * sum(ou_window_var(sd, corr, window_ns) for sd, corr in comps))
 
 
 def window_sd(diff: Sequence[float], bins: int) -> float:
@@ -100,15 +96,13 @@ def measure(seconds: float, size: int, ranks: int) -> list[dict[str, list[int]]]
 def report(calls: list[dict[str, list[int]]], seconds: float) -> None:
     span_ns = int(seconds * 1e9)
     fits = {}
-    for name, bin_ns, span in (("calibrate's: first 4 s, 10 ms bins", 10_000_000, min(span_ns, CALIBRATE_SPAN_NS)),
-                               ("the whole span, 10 ms bins", 10_000_000, span_ns),
-                               ("the whole span, 100 ms bins", 100_000_000, span_ns)):
+    for name, span in (("calibrate's: first 16 s", min(span_ns, CALIBRATE_SPAN_NS)), ("the whole span", span_ns)):
         # the calls started within the fitted span alone, as calibrate sees them (its median too)
         series = [binned_log_series(*zip(*[(st, dt) for st, dt in zip(c["starts"], c["times"]) if st < span]),
-                                    bin_ns, span) for c in calls]
-        fits[name] = fit_rank_noise(series, bin_ns)
-        sd, corr = fits[name]
-        print(f"fit, {name}: sd {sd:.1%}, correlation {corr / 1e6:.0f} ms")
+                                    10_000_000, span) for c in calls]
+        fits[name] = fit_rank_drift(series, 10_000_000)
+        print(f"fit, {name}: " + (", ".join(f"sd {sd:.1%} correlation {corr / 1e6:.0f} ms" for sd, corr in fits[name])
+                                  or "no drift"))
     for r, c in enumerate(calls):
         print(f"rank {r}: {len(c['times'])} calls, median {statistics.median(c['times']) / 1e3:.0f} us")
     s10 = [binned_log_series(c["starts"], c["times"], 10_000_000, span_ns) for c in calls]
@@ -119,7 +113,7 @@ def report(calls: list[dict[str, list[int]]], seconds: float) -> None:
         if bins * 2 > len(diff):
             continue
         print(f"{w:>7.1f}s{window_sd(diff, bins):>10.3f}"
-              + "".join(f"{ou_window_sd(sd, corr, w * 1e9):>24.3f}" for sd, corr in fits.values()))
+              + "".join(f"{drift_window_sd(comps, w * 1e9):>24.3f}" for comps in fits.values()))
     print("1 s means of rank 0's log speed over rank 1's: "
           + " ".join(f"{sum(diff[i:i + 100]) / 100:+.2f}" for i in range(0, len(diff) - 99, 100)))
 
@@ -130,7 +124,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=256, help="the GEMM's side (default 256, calibrate's)")
     args = ap.parse_args()
     if args.seconds < 8:
-        ap.error(f"--seconds {args.seconds}: at least 8 (two windows of the longest, 3 s, and calibrate's 4 s)")
+        ap.error(f"--seconds {args.seconds}: at least 8 (two windows of the longest, 3 s)")
     if args.size < 16:
         ap.error(f"--size {args.size}: at least 16")
     report(measure(args.seconds, args.size, 2), args.seconds)

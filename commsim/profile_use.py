@@ -112,7 +112,7 @@ def _profile_sources(prof: Any, path: str, sc: Scenario, schedule: Schedule, clu
               "allocation costs", f"memory size ({prof.hbm_bytes / 1e9:.1f} GB)"]
     if prof.cpu_cores:
         fields.append(f"CPU cores ({prof.cpu_cores})" + (", OS time slice" if prof.time_slice_ns else ""))
-    if prof.rank_noise_sd:
+    if prof.rank_noise_sd or prof.rank_noise_slow_sd:
         fields.append("rank speed drift")
     if prof.platform.stalls:
         fields.append("rank stalls")

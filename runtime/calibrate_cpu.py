@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from commsim.hardware.noise import (STALL_SLICES, binned_log_series, fit_rank_noise, fit_rank_stalls,
+from commsim.hardware.noise import (STALL_SLICES, binned_log_series, fit_rank_drift, fit_rank_stalls,
                                     pool_rank_stalls)
 from commsim.hardware.platform import RankStalls
 from commsim.ir import ops as O
@@ -40,8 +40,9 @@ def cpu_cores() -> int:
 def rank_noise(cal: Calibrator, cores: int) -> tuple[dict[str, float] | None, dict[str, object] | None]:
     """How each rank's speed drifts on its own, and how it stalls (CPU backends, at most
     one rank per core): every rank runs the same GEMM back to back for a few seconds;
-    the mean log time over the median, in 10 ms bins, is gathered and fitted as an OU
-    process, and each call over the median is a stall of the difference
+    the mean log time over the median, in 10 ms bins, is gathered and fitted as up to
+    two OU processes by the variances of its window means (``fit_rank_drift``), and
+    each call over the median is a stall of the difference
     (commsim.hardware.noise). (profile's ``rank_noise``, ``rank_stalls``); (None, None)
     on GPUs (kernel times vary by ~1%, the simulator's default jitter), with more ranks
     than cores (the simulated time slicing is that noise) and with one rank (nothing
@@ -49,7 +50,9 @@ def rank_noise(cal: Calibrator, cores: int) -> tuple[dict[str, float] | None, di
     if not cal.platform.inline_kernels or cal.ranks_per_node > cores or cal.world < 2:
         return None, None
     bin_ns = 10_000_000
-    span_ns = 1_000_000_000 if cal.quick else 4_000_000_000
+    # 16 s: windows of up to 4 s, four of them, where a core's slow stretches of seconds
+    # show (a 4 s span's own mean took most of them away: bench/rank_drift.py)
+    span_ns = 1_000_000_000 if cal.quick else 16_000_000_000
     op = O.Compute(O.OpId(0), "c", "", O.ComputeKind.GEMM, 2 * 256 ** 3, 0, 0, O.GemmShape(256, 256, 256, 1))
     for _ in range(10):
         cal.kernels.run(op)
@@ -68,9 +71,10 @@ def rank_noise(cal: Calibrator, cores: int) -> tuple[dict[str, float] | None, di
     mine = torch.tensor(series, dtype=torch.float64, device=cal.device)  # on the group's device
     every = [torch.empty_like(mine) for _ in range(cal.world)]
     dist.all_gather(every, mine)
-    sd, corr_ns = fit_rank_noise([e.tolist() for e in every], bin_ns)
-    cal.log(f"ranks' speed drift: sd {sd:.1%}, correlation {corr_ns / 1e6:.0f} ms "
-            f"({len(times)} GEMMs of {med / 1e6:.2f} ms on rank 0)")
+    comps = fit_rank_drift([e.tolist() for e in every], bin_ns)
+    (sd, corr_ns), (slow_sd, slow_corr_ns) = (list(comps) + [(0.0, 0), (0.0, 0)])[:2]
+    cal.log("ranks' speed drift: " + (" and ".join(f"sd {s:.1%}, correlation {c / 1e6:.0f} ms" for s, c in comps)
+                                       or "none") + f" ({len(times)} GEMMs of {med / 1e6:.2f} ms on rank 0)")
     rate, lengths = fit_rank_stalls(times)
     mine = torch.tensor([rate] + (lengths or [0.0] * STALL_SLICES), dtype=torch.float64, device=cal.device)
     every = [torch.empty_like(mine) for _ in range(cal.world)]
@@ -79,7 +83,8 @@ def rank_noise(cal: Calibrator, cores: int) -> tuple[dict[str, float] | None, di
     loss = RankStalls(rate, tuple(lengths)).loss
     cal.log(f"ranks' stalls: {rate:.0f} a second of work, mean {loss / rate * 1e9 / 1e3 if rate else 0:.0f} us, "
             f"longest slice {max(lengths, default=0) / 1e6:.2f} ms; {loss:.1%} of the time")
-    return {"sd": sd, "corr_ns": corr_ns}, {"rate_per_s": rate, "lengths_ns": [round(x) for x in lengths]}
+    noise = {"sd": sd, "corr_ns": corr_ns, "slow_sd": slow_sd, "slow_corr_ns": slow_corr_ns}
+    return noise, {"rate_per_s": rate, "lengths_ns": [round(x) for x in lengths]}
 
 
 def time_slice(cal: Calibrator, cores: int) -> int | None:

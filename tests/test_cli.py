@@ -230,6 +230,13 @@ def test_predict_with_a_measured_profile(tmp_path):
     assert re.search(r"^reported host pages +.*\d+ MiB a step \(rank 0; large blocks on pages the VM has reported", out,
                      re.M)
     assert "reported host pages" not in run(*big, "--hw-profile", str(prof)).stdout
+    # a measured drift of two components: every rank simulated, both named
+    drift = tmp_path / "drift.json"
+    drift.write_text(json.dumps({**json.loads(prof.read_text()), "rank_noise": {
+        "sd": 0.08, "corr_ns": 3e7, "slow_sd": 0.05, "slow_corr_ns": 8e8}}))
+    out = run(*args, "--hw-profile", str(drift)).stdout
+    assert re.search(r"^rank speed drift: sd 8\.0%, correlation 30 ms, and sd 5\.0%, correlation 800 ms \(profile\); ",
+                     out, re.M), out
     bad = run(*args, "--runner", "executor", "--host-heap")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
         "--host-heap: models a framework's tensors on CPUs; it needs a CPU (gloo) --hw-profile and --runner framework")

@@ -1,5 +1,5 @@
 """bench/rank_drift.py's pure parts and the binning it shares with calibrate
-(``commsim.hardware.noise.binned_log_series``): the OU's window sd, window means."""
+(``commsim.hardware.noise.binned_log_series``): the drift's window sd, window means."""
 
 import math
 import random
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from rank_drift import ou_window_sd, window_sd  # noqa: E402
+from rank_drift import drift_window_sd, window_sd  # noqa: E402
 
 from commsim.hardware.noise import binned_log_series  # noqa: E402
 
@@ -25,16 +25,18 @@ def test_binning_is_calibrates():
     assert s == pytest.approx([math.log(0.4), math.log(1.6), math.log(1.6)])
 
 
-def test_ou_window_sd_limits():
+def test_drift_window_sd_limits():
     sd, tau = 0.1, 1e8
     # a window much shorter than the correlation: the two ranks' instant difference
-    assert ou_window_sd(sd, tau, 1e3) == pytest.approx(math.sqrt(2) * sd, rel=1e-3)
+    assert drift_window_sd([(sd, tau)], 1e3) == pytest.approx(math.sqrt(2) * sd, rel=1e-3)
     # much longer: sd sqrt(2 tau / T) each, times sqrt(2) for the difference
-    assert ou_window_sd(sd, tau, 1e12) == pytest.approx(math.sqrt(2) * sd * math.sqrt(2 * tau / 1e12), rel=1e-3)
-    assert ou_window_sd(0.0, tau, 1e9) == 0.0 == ou_window_sd(sd, 0, 1e9)
+    assert drift_window_sd([(sd, tau)], 1e12) == pytest.approx(math.sqrt(2) * sd * math.sqrt(2 * tau / 1e12), rel=1e-3)
+    assert drift_window_sd([(0.0, tau)], 1e9) == 0.0 == drift_window_sd([], 1e9)
+    # two components: their variances add
+    assert drift_window_sd([(sd, tau), (sd, tau)], 1e3) == pytest.approx(2 * sd, rel=1e-3)
 
 
-def test_ou_window_sd_matches_a_simulated_pair():
+def test_drift_window_sd_matches_a_simulated_pair():
     # two independent discretised OU processes (10 ms steps, tau 200 ms): the sd of
     # their difference's 500 ms means agrees with the formula within sampling error
     rng = random.Random(7)
@@ -48,7 +50,7 @@ def test_ou_window_sd_matches_a_simulated_pair():
             out.append(x)
         xs.append(out)
     diff = [a - b for a, b in zip(*xs)]
-    assert window_sd(diff, 50) == pytest.approx(ou_window_sd(sd, tau_ns, 500e6), rel=0.08)
+    assert window_sd(diff, 50) == pytest.approx(drift_window_sd([(sd, tau_ns)], 500e6), rel=0.08)
 
 
 def test_window_sd():

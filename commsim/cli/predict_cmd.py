@@ -28,7 +28,9 @@ def report_lines(pred, seed: int) -> list[str]:
         n = len(m.step_time_samples_s)
         lo, hi = min(m.step_time_samples_s), max(m.step_time_samples_s)
         out.append(f"mode: {mode}; seeds {seed}-{seed + n - 1}, the median one shown (seed {m.seed})")
-        out.append(f"rank speed drift: sd {m.rank_noise[0]:.1%}, correlation {m.rank_noise[1] * 1e3:.0f} ms (profile); "
+        slow = m.rank_noise_slow
+        out.append(f"rank speed drift: sd {m.rank_noise[0]:.1%}, correlation {m.rank_noise[1] * 1e3:.0f} ms"
+                   + (f", and sd {slow[0]:.1%}, correlation {slow[1] * 1e3:.0f} ms" if slow[0] else "") + " (profile); "
                    + (f"rank stalls: {m.rank_stalls[0]:.0f} a second of work, {m.rank_stalls[1]:.1%} of it (profile); "
                       if m.rank_stalls[0] else "") + f"the {n} steps took {lo:.3f}-{hi:.3f} s")
     else:

@@ -5,11 +5,11 @@ Each rank ran the same kernel back to back; ``series[r][t]`` is the mean log of 
 kernel times over their median, in time bin ``t``. The common part of all ranks (the
 whole machine faster or slower for a while) delays no rank relative to another, so it
 is removed: what is left is each rank's own drift plus the kernel-to-kernel noise of
-the bin. Modelled as an Ornstein-Uhlenbeck process (as the simulator runs it), the
-drift's autocovariance at lag k >= 1 is sd^2 (1 - 1/n) rho^k; the per-kernel noise only
-adds to lag 0, so the fit uses lags 1 and up: a least-squares line through
-log C(k), k = 1 .. the last lag before the covariance first drops to zero (at most
-``max_lag``). Its intercept gives sd, its slope the correlation time.
+the bin. The drift is modelled as the sum of up to two independent Ornstein-Uhlenbeck
+processes (as the simulator runs it: a fast one of tens to hundreds of milliseconds,
+and a slow one of seconds where the machine has it), fitted to the variance of the
+ranks' means over windows of 10 ms to 4 s (``fit_rank_drift``), the quantity that sets
+how far apart two ranks reach a synchronisation.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ STALL_SLICES = 32
 
 
 def binned_log_series(starts_ns: Sequence[int], times_ns: Sequence[int], bin_ns: int, span_ns: int) -> list[float]:
-    """One rank's series for ``fit_rank_noise``: per time bin, the mean log of the times
+    """One rank's series for ``fit_rank_drift``: per time bin, the mean log of the times
     of the kernels started in it over their median; a bin where no kernel started (the
     rank descheduled) repeats the previous bin's value."""
     assert starts_ns and len(starts_ns) == len(times_ns), "needs the kernels' starts and times"
@@ -41,36 +41,131 @@ def binned_log_series(starts_ns: Sequence[int], times_ns: Sequence[int], bin_ns:
     return out
 
 
-def fit_rank_noise(series: Sequence[Sequence[float]], bin_ns: int, max_lag: int = 30) -> tuple[float, int]:
-    """(sd of a rank's log speed, correlation time ns); (0, 0) when no correlated drift
-    is found (fewer than two positive lags). A slope that does not decay within the
-    fit's lags gives the length of the series as the correlation time (a lower bound)."""
-    n = len(series)
-    assert n >= 2 and bin_ns > 0, "needs two ranks' series and a bin width"
-    m = len(series[0])
+# Windows (in bins) over which the ranks' drift is measured: from one bin to a few
+# seconds of 10 ms bins. What a drift does to a step is set by how far two ranks' mean
+# speeds differ over the stretch of work between two synchronisations, so the fit
+# matches these windows' variances, not the autocovariance at a few lags: on the
+# development VM a fit to 4 s at lags of 10-300 ms under-predicted the sd of two
+# ranks' mean speed difference over 0.5-3 s windows by 2x (bench/rank_drift.py).
+DRIFT_WINDOWS = (1, 2, 5, 10, 20, 50, 100, 200, 400)
+# A window is fitted only where the series holds at least this many of it.
+MIN_WINDOWS = 4
+# Window variances at most this (an sd of 1e-6) are no drift: the ranks ran alike.
+NO_DRIFT_VAR = 1e-12
+# The correlation times tried (bins): a log grid, 12 a decade.
+_TAUS = tuple(10 ** (k / 12) for k in range(0, 49))
+
+
+def ou_window_var(sd: float, corr: float, window: float) -> float:
+    """The variance of an OU process's mean over a window (``corr`` and ``window`` in
+    one unit): 2 sd^2 (tau / T)^2 (T / tau - 1 + exp(-T / tau))."""
+    if sd <= 0 or corr <= 0 or window <= 0:
+        return 0.0
+    x = window / corr
+    return 2 * sd * sd * (x + math.expm1(-x)) / (x * x)  # expm1: exact where x is tiny
+
+
+def window_variances(series: Sequence[Sequence[float]]) -> list[tuple[int, float]]:
+    """(window in bins, variance) for each of DRIFT_WINDOWS the series holds
+    MIN_WINDOWS of: the variance of the means of consecutive windows of each rank's
+    series less the ranks' common part, the mean over the ranks. Only the whole
+    windows from the start are used, so that they tile a span exactly (the fit's
+    expectation of the variance about their mean is then exact)."""
+    n, m = len(series), len(series[0])
+    assert n >= 2, "needs two ranks' series"
     assert all(len(s) == m for s in series), "every rank's series has the same bins"
     common = [sum(s[t] for s in series) / n for t in range(m)]
-    dev = []
-    for s in series:
-        d = [s[t] - common[t] for t in range(m)]
-        mean = sum(d) / m
-        dev.append([x - mean for x in d])
-    lags, logs = [], []
-    for k in range(1, min(max_lag, m - 2) + 1):
-        c = sum(d[t] * d[t + k] for d in dev for t in range(m - k)) / (n * (m - k))
-        if c <= 0:
+    dev = [[s[t] - common[t] for t in range(m)] for s in series]
+    out = []
+    for w in DRIFT_WINDOWS:
+        k = m // w
+        if k < MIN_WINDOWS:
             break
-        lags.append(k)
-        logs.append(math.log(c))
-    if len(lags) < 2:
-        return 0.0, 0
-    kx = sum(lags) / len(lags)
-    ly = sum(logs) / len(logs)
-    slope = sum((k - kx) * (y - ly) for k, y in zip(lags, logs)) / sum((k - kx) ** 2 for k in lags)
-    intercept = ly - slope * kx
-    sd = math.sqrt(math.exp(intercept) * n / (n - 1))
-    length_ns = m * bin_ns
-    return sd, min(int(-bin_ns / slope), length_ns) if slope < 0 else length_ns
+        var = 0.0
+        for d in dev:
+            means = [sum(d[i * w:(i + 1) * w]) / w for i in range(k)]
+            mu = sum(means) / k
+            var += sum((x - mu) ** 2 for x in means) / k
+        out.append((w, var / n))
+    return out
+
+
+def expected_window_var(w: int, k: int, n: int, comps: Sequence[tuple[float, float]], white: float) -> float:
+    """The expected variance ``window_variances`` measures for a window of ``w`` bins,
+    ``k`` windows, ``n`` ranks, each rank's drift the sum of independent OU components
+    ``comps`` ((sd, correlation in bins)) plus a bin-to-bin noise of variance ``white``
+    (the kernels' own jitter, averaged in each bin): a rank's part not common to all is
+    (1 - 1/n) of its variance, and the windows' own mean is removed (the variance of the
+    mean over the k windows' span)."""
+    span = w * k
+    var = sum(ou_window_var(sd, tau, w) - ou_window_var(sd, tau, span) for sd, tau in comps)
+    return (1 - 1 / n) * (var + white * (1 / w - 1 / span))
+
+
+def _nonneg_lsq(cols: list[list[float]], y: list[float]) -> tuple[list[float], float]:
+    """Least squares of y on the columns with every coefficient >= 0 (few columns: every
+    subset solved unconstrained, the best feasible one kept). (coefficients, residual)."""
+    best: tuple[list[float], float] = ([0.0] * len(cols), sum(v * v for v in y))
+    for mask in range(1, 1 << len(cols)):
+        idx = [j for j in range(len(cols)) if mask >> j & 1]
+        a = [[sum(cols[i][t] * cols[j][t] for t in range(len(y))) for j in idx] for i in idx]
+        b = [sum(cols[i][t] * y[t] for t in range(len(y))) for i in idx]
+        coef = _solve(a, b)
+        if coef is None or any(c < 0 for c in coef):
+            continue
+        full = [0.0] * len(cols)
+        for j, c in zip(idx, coef):
+            full[j] = c
+        res = sum((y[t] - sum(full[j] * cols[j][t] for j in range(len(cols)))) ** 2 for t in range(len(y)))
+        if res < best[1]:
+            best = (full, res)
+    return best
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-300:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def fit_rank_drift(series: Sequence[Sequence[float]], bin_ns: int) -> tuple[tuple[float, int], ...]:
+    """Each rank's speed drift as up to two independent OU components, ((sd, correlation
+    ns), ...), fastest first; () when no drift is found. Fitted to the variances of the
+    ranks' window means (``window_variances``) in relative least squares: for each
+    pair of correlation times on a log grid (the slower at least 2x the faster, at most
+    a quarter of the series), the components' variances and a bin-to-bin noise are the
+    non-negative least-squares solution (``expected_window_var``); the best pair wins.
+    A component whose variance comes out 0 is dropped; the bin-to-bin noise is the
+    kernels' own jitter, left to the stall fit and the simulator's jitter."""
+    n, m = len(series), len(series[0])
+    assert bin_ns > 0, "needs a bin width"
+    measured = window_variances(series)
+    if len(measured) < 3 or min(v for _, v in measured) <= NO_DRIFT_VAR:
+        return ()
+    taus = [t for t in _TAUS if t <= m / MIN_WINDOWS]  # longer is the series' own mean
+    y = [1.0] * len(measured)  # relative: each model value over its measurement
+    best: tuple[float, tuple[tuple[float, int], ...]] | None = None
+    for i, fast in enumerate(taus):
+        for slow in [None] + [t for t in taus[i + 1:] if t >= 2 * fast]:
+            comps = [fast] if slow is None else [fast, slow]
+            cols = [[expected_window_var(w, m // w, n, [(1.0, tau)], 0.0) / v for w, v in measured] for tau in comps]
+            cols.append([expected_window_var(w, m // w, n, [], 1.0) / v for w, v in measured])
+            coef, res = _nonneg_lsq(cols, y)
+            if best is None or res < best[0] - 1e-12:
+                found = tuple((math.sqrt(a), int(tau * bin_ns)) for a, tau in zip(coef, comps) if a > 0)
+                best = (res, found)
+    assert best is not None
+    return best[1]
 
 
 def fit_rank_stalls(times_ns: Sequence[float]) -> tuple[float, list[float]]:

@@ -77,18 +77,23 @@ class CpuCores:
 @dataclass(frozen=True, slots=True)
 class RankDrift:
     """Each rank's speed drifting on its own: an Ornstein-Uhlenbeck process of log speed
-    with this standard deviation and correlation time (sd 0: no drift)."""
+    with this standard deviation and correlation time (sd 0: no drift), plus a second,
+    slower one where the machine has it (``slow_sd``, ``slow_corr_ns``: a core running
+    slower for seconds), independent of the first."""
 
     sd: float = 0.0
     corr_ns: int = 0
+    slow_sd: float = 0.0
+    slow_corr_ns: int = 0
 
     def __post_init__(self) -> None:
-        if self.sd < 0 or (self.sd and self.corr_ns <= 0):
-            raise CommsimInputError(f"rank drift sd {self.sd}, correlation {self.corr_ns} ns: the sd must be >= 0 "
-                                    "and, when it is not 0, the correlation time > 0")
+        for sd, corr in ((self.sd, self.corr_ns), (self.slow_sd, self.slow_corr_ns)):
+            if sd < 0 or (sd and corr <= 0):
+                raise CommsimInputError(f"rank drift sd {sd}, correlation {corr} ns: the sd must be >= 0 "
+                                        "and, when it is not 0, the correlation time > 0")
 
     def __bool__(self) -> bool:
-        return self.sd > 0
+        return self.sd > 0 or self.slow_sd > 0
 
 
 NO_DRIFT = RankDrift()

@@ -152,9 +152,12 @@ class HardwareProfile:
     # a collective's fixed latency while its node computes, over its latency alone: on a
     # CPU backend the collective's thread waits for a core at each message (calibrate)
     comm_latency_slowdown_during_compute: float = 1.0
-    # each rank's speed drift: sd of its log speed and its correlation time (0: none)
+    # each rank's speed drift: sd of its log speed and its correlation time (0: none),
+    # and a slower second component where calibrate found one (0: none)
     rank_noise_sd: float = 0.0
     rank_noise_corr_ns: int = 0
+    rank_noise_slow_sd: float = 0.0
+    rank_noise_slow_corr_ns: int = 0
     # each rank's short stalls: per second of undisturbed work, and their lengths (RankStalls)
     rank_stalls_rate_per_s: float = 0.0
     rank_stalls_lengths_ns: tuple[int, ...] = ()
@@ -277,7 +280,9 @@ class HardwareProfile:
         cpu = None
         if self.cpu_cores:
             cpu = CpuCores(self.cpu_cores, self.ranks_per_node, self.time_slice_ns or DEFAULT_TIME_SLICE_NS)
-        return platform_of_backend(self.backend, cpu, RankDrift(self.rank_noise_sd, self.rank_noise_corr_ns),
+        return platform_of_backend(self.backend, cpu, RankDrift(self.rank_noise_sd, self.rank_noise_corr_ns,
+                                                                      self.rank_noise_slow_sd,
+                                                                      self.rank_noise_slow_corr_ns),
                                    self.caching_allocator,
                                    RankStalls(self.rank_stalls_rate_per_s, self.rank_stalls_lengths_ns))
 

@@ -251,10 +251,16 @@ def _rank_noise(noise: Any, where: str) -> dict[str, Any]:
     if noise is None:
         return {}
     if not isinstance(noise, dict):
-        raise CommsimInputError(f"{where}: must be an object {{\"sd\": >= 0, \"corr_ns\": > 0 (>= 0 when sd is 0)}}")
+        raise CommsimInputError(f"{where}: must be an object {{\"sd\": >= 0, \"corr_ns\": > 0 (>= 0 when sd is 0)"
+                                f", optionally \"slow_sd\" and \"slow_corr_ns\" alike}}")
     sd = _num(noise, "sd", where, positive=False)
     corr = _num(noise, "corr_ns", where, positive=bool(sd))
-    return {"rank_noise_sd": sd, "rank_noise_corr_ns": int(corr)}
+    out = {"rank_noise_sd": sd, "rank_noise_corr_ns": int(corr)}
+    if "slow_sd" in noise or "slow_corr_ns" in noise:
+        slow = _num(noise, "slow_sd", where, positive=False)
+        out.update(rank_noise_slow_sd=slow, rank_noise_slow_corr_ns=int(_num(noise, "slow_corr_ns", where,
+                                                                             positive=bool(slow))))
+    return out
 
 
 def _rank_stalls(stalls: Any, where: str) -> dict[str, Any]:

@@ -191,6 +191,7 @@ class Metrics:
     # ranks' speed drift (sd, correlation s) and, with it, every seeded step's time
     # (the step reported is their median)
     rank_noise: tuple[float, float] = (0.0, 0.0)
+    rank_noise_slow: tuple[float, float] = (0.0, 0.0)  # its slow component (sd, correlation s)
     # ranks' stalls (per second of work, stall time per unit of work); (0, 0): none
     rank_stalls: tuple[float, float] = (0.0, 0.0)
     step_time_samples_s: tuple[float, ...] = ()
@@ -244,6 +245,7 @@ def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) 
         oom=result.oom,
         flops_source=info.flops_source,
         rank_noise=(result.rank_noise[0], result.rank_noise[1] / 1e9),
+        rank_noise_slow=(result.rank_noise_slow[0], result.rank_noise_slow[1] / 1e9),
         rank_stalls=result.rank_stalls,
         step_time_samples_s=tuple(t / 1e9 for t in result.step_samples_ns),
     )

@@ -70,13 +70,14 @@ class Simulator:
         # same program over their own groups, as the generator declares.
         symmetric_ok = len(schedule.programs) == 1 or schedule.meta.rank_symmetric
         noise_sd, noise_corr_ns = rank_noise(cost, config)
+        slow = (platform.drift.slow_sd, platform.drift.slow_corr_ns)
         stalls = platform.stalls if config.rank_stalls else NO_STALLS
         if mode == "auto":
             # more ranks than cores: their time slices matter, so every rank is simulated;
             # so do ranks whose speed drifts apart or who stall on their own (measured):
             # each sync waits for the slower
-            mode = ("symmetric" if symmetric_ok and not platform.time_sliced and not noise_sd and not stalls
-                    else "per-rank")
+            mode = ("symmetric" if symmetric_ok and not platform.time_sliced and not noise_sd and not slow[0]
+                    and not stalls else "per-rank")
         if mode == "symmetric" and not symmetric_ok:
             raise ValueError("symmetric mode needs every rank to run the same program (up to its groups)")
         if mode not in ("symmetric", "per-rank"):
@@ -84,6 +85,8 @@ class Simulator:
         self.mode = mode
         self.jitter = config.jitter if config.jitter is not None else (0.01 if mode == "per-rank" else 0.0)
         self.rank_noise = (noise_sd, noise_corr_ns) if mode == "per-rank" and noise_sd else (0.0, 0)
+        # the slow component is the profile's alone (a config's rank_noise_sd sets the first)
+        self.rank_noise_slow = slow if mode == "per-rank" and slow[0] else (0.0, 0)
         self.rank_stalls = stalls if mode == "per-rank" else NO_STALLS
         self.host_jitter = config.host_jitter if config.host_jitter is not None else platform.host_jitter
         if self.host_jitter < 0:
@@ -332,7 +335,7 @@ class Simulator:
         step = max((s.result.end_ns for s in sims.values()), default=0)
         return SimResult(self.mode, {r: s.result for r, s in sims.items()}, step, oom=self.oom,
                          seed=self.config.seed, jitter=self.jitter, cpu_sharing=self.cpu_sharing,
-                         rank_noise=self.rank_noise,
+                         rank_noise=self.rank_noise, rank_noise_slow=self.rank_noise_slow,
                          rank_stalls=(self.rank_stalls.rate_per_s, self.rank_stalls.loss))
 
 
@@ -381,7 +384,7 @@ def simulate(sim: Simulator) -> SimResult:
     has neither) and the median one is returned, with every step time in
     ``step_samples_ns``."""
     first = sim.run()
-    if not (sim.rank_noise[0] or sim.rank_stalls) or first.oom:
+    if not (sim.rank_noise[0] or sim.rank_noise_slow[0] or sim.rank_stalls) or first.oom:
         return first
     results = [first] + [Simulator(sim.schedule, sim.cost, replace(sim.config, seed=sim.config.seed + i))
                          .run(warm_from=sim.warm) for i in range(1, NOISE_SAMPLES)]

@@ -73,6 +73,11 @@ class RankSim(RankMemory, RankSpeed):
         self.noise_sd, self.noise_corr_ns = sim.rank_noise
         self.noise_x = self.rng.gauss(0.0, self.noise_sd) if self.noise_sd else 0.0
         self.noise_t = 0
+        # the drift's slow component: its own draws, so that a profile without one
+        # simulates as before
+        self.slow_sd, self.slow_corr_ns = sim.rank_noise_slow
+        self.slow_rng = random.Random(sim.config.seed * 7_919 + rank + 3)
+        self.slow_x = self.slow_rng.gauss(0.0, self.slow_sd) if self.slow_sd else 0.0
         # the stalls' arrival rate and each op's undisturbed share, once (None: no stalls)
         st = sim.rank_stalls
         self.stalls = (st.rate_per_s / 1e9, 1.0 / (1.0 + st.loss), st.lengths_ns) if st else None

@@ -28,16 +28,21 @@ class RankSpeed:
         return self._speed(dur)
 
     def _speed(self, dur: int) -> int:
-        """A duration scaled by the rank's speed now: the OU process advanced from its
-        last sample, exp(x - sd^2/2) so that its mean factor is 1."""
-        if not self.noise_sd:
+        """A duration scaled by the rank's speed now: the OU processes (the drift and its
+        slow component) advanced from their last sample, exp(x - sd^2/2) so that the
+        mean factor is 1."""
+        if not (self.noise_sd or self.slow_sd):
             return self._stalled(dur)
         dt = self.env.now - self.noise_t
         self.noise_t = self.env.now
-        if dt:
+        if dt and self.noise_sd:
             rho = exp(-dt / self.noise_corr_ns)
             self.noise_x = self.noise_x * rho + self.noise_sd * sqrt(1.0 - rho * rho) * self.rng.gauss(0.0, 1.0)
-        return self._stalled(max(1, int(dur * exp(self.noise_x - self.noise_sd ** 2 / 2))))
+        if dt and self.slow_sd:
+            rho = exp(-dt / self.slow_corr_ns)
+            self.slow_x = self.slow_x * rho + self.slow_sd * sqrt(1.0 - rho * rho) * self.slow_rng.gauss(0.0, 1.0)
+        var = self.noise_sd ** 2 + self.slow_sd ** 2
+        return self._stalled(max(1, int(dur * exp(self.noise_x + self.slow_x - var / 2))))
 
     def _stalled(self, dur: int) -> int:
         """``dur``, a measured mean that holds its share of the rank's stalls, as

@@ -121,6 +121,7 @@ class SimResult:
     jitter: float = 0.0
     cpu_sharing: str = ""  # with more ranks than cores: how the simulated scheduler shared them
     rank_noise: tuple[float, int] = (0.0, 0)  # (sd, correlation ns) of the ranks' speed drift
+    rank_noise_slow: tuple[float, int] = (0.0, 0)  # its slower second component, where measured
     rank_stalls: tuple[float, float] = (0.0, 0.0)  # the ranks' stalls: (a second of work, loss)
     step_samples_ns: tuple[int, ...] = ()  # with rank noise: every seeded step's time (median chosen)
 

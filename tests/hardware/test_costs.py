@@ -258,6 +258,8 @@ def test_profile_collective_slowdowns_while_computing(tmp_path):
 
 
 def test_profile_rank_drift(tmp_path):
+    from commsim.hardware.platform import RankDrift
+
     path = tmp_path / "p.json"
     path.write_text(json.dumps(PROFILE))
     p = load_profile(path)
@@ -265,8 +267,18 @@ def test_profile_rank_drift(tmp_path):
     path.write_text(json.dumps({**PROFILE, "rank_noise": {"sd": 0.12, "corr_ns": 2.5e8}}))
     p = load_profile(path)
     assert (p.rank_noise_sd, p.rank_noise_corr_ns) == (0.12, 250_000_000)
-    path.write_text(json.dumps({**PROFILE, "rank_noise": {"sd": 0, "corr_ns": 0}}))  # measured: none found
-    assert load_profile(path).rank_noise_sd == 0.0
+    assert (p.rank_noise_slow_sd, p.rank_noise_slow_corr_ns) == (0.0, 0)  # an older profile: no slow component
+    assert p.platform.drift == RankDrift(0.12, 250_000_000)
+    path.write_text(json.dumps({**PROFILE, "rank_noise": {"sd": 0.12, "corr_ns": 2.5e8, "slow_sd": 0.05,
+                                                          "slow_corr_ns": 2e9}}))
+    p = load_profile(path)
+    assert p.platform.drift == RankDrift(0.12, 250_000_000, 0.05, 2_000_000_000)
+    path.write_text(json.dumps({**PROFILE, "rank_noise": {"sd": 0, "corr_ns": 0, "slow_sd": 0, "slow_corr_ns": 0}}))
+    assert load_profile(path).rank_noise_sd == 0.0 and not load_profile(path).platform.drift  # measured: none found
+    path.write_text(json.dumps({**PROFILE, "rank_noise": {"sd": 0.1, "corr_ns": 1e8, "slow_sd": 0.05}}))
+    with pytest.raises(CommsimInputError,
+                       match=r"p.json: rank_noise: field 'slow_corr_ns' must be a positive number, got None"):
+        load_profile(path)
     path.write_text(json.dumps({**PROFILE, "rank_noise": {"sd": 0.1, "corr_ns": 0}}))
     with pytest.raises(CommsimInputError, match=r"p.json: rank_noise: field 'corr_ns' must be a positive number, got 0"):
         load_profile(path)

@@ -84,7 +84,9 @@ def test_quick_calibration_then_predict(tmp_path):
     # ranks' speed drift: measured with at most one rank per core, and what predictions use
     assert ("rank_noise" in obj) == (obj["cpu_cores"] >= 2)
     if "rank_noise" in obj:
-        assert (p.rank_noise_sd, p.rank_noise_corr_ns) == (obj["rank_noise"]["sd"], obj["rank_noise"]["corr_ns"])
+        noise = obj["rank_noise"]  # up to two components, the slow one 0 where none was found
+        assert (p.rank_noise_sd, p.rank_noise_corr_ns, p.rank_noise_slow_sd, p.rank_noise_slow_corr_ns) == \
+            (noise["sd"], noise["corr_ns"], noise["slow_sd"], noise["slow_corr_ns"])
     # and their stalls, from the same calls: a rate and STALL_SLICES equally likely lengths
     assert ("rank_stalls" in obj) == ("rank_noise" in obj)
     if "rank_stalls" in obj:

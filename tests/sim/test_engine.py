@@ -373,6 +373,8 @@ def test_measured_drift_simulates_every_rank_and_reports_the_median_of_seeded_st
     with pytest.raises(ValueError, match="when it is not 0, the correlation time > 0"):
         RankDrift(0.1, 0)
     with pytest.raises(ValueError, match="when it is not 0, the correlation time > 0"):
+        RankDrift(0.1, 1, 0.1, 0)
+    with pytest.raises(ValueError, match="when it is not 0, the correlation time > 0"):
         Simulator(Schedule.uniform(2, prog), FixedCosts(), SimConfig(rank_noise_sd=0.1, rank_noise_corr_ns=0))
 
 
@@ -425,3 +427,33 @@ def test_which_collectives_compute_follows():
     # a step that starts with a kernel: its last collective is followed by it
     wraps = Program((), (hook, comp(5, 10), coll(6, 8, (0,)), cp, coll(8, 8, (0,)), wait))
     assert followed_by_compute(wraps) == {O.OpId(6), O.OpId(8)}
+
+
+def test_a_slow_drift_component_simulates_every_rank_and_adds_its_own_draws():
+    """The drift's slow component (a core slower for seconds) alone puts the simulator
+    in per-rank mode; it draws from its own stream, so adding it leaves the fast
+    component's draws as they were, and with the two ranks synchronising once after
+    20 ms of work each, the step is the slower rank's: longer on average than without
+    it (each rank's factor keeps a mean of 1, the maximum of two does not)."""
+    from commsim.sim.engine import simulate
+
+    prog = Program((), (comp(1, 10_000_000), comp(2, 10_000_000), coll(3, 1, (0, 1), stream=C)))
+    costs = FixedCosts()
+    costs.platform = replace(GPU, drift=RankDrift(0.0, 0, 0.2, 2_000_000_000))
+    sim = Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=1, jitter=0.0, rank_stalls=False))
+    assert sim.mode == "per-rank" and sim.rank_noise == (0.0, 0) and sim.rank_noise_slow == (0.2, 2_000_000_000)
+    res = simulate(sim)
+    assert res.rank_noise_slow == (0.2, 2_000_000_000)
+    steps = [Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=s, jitter=0.0, rank_stalls=False)).run()
+             .step_time_ns for s in range(200)]
+    # E max of two normals of sd 0.2: 0.2 / sqrt(pi), +11%
+    assert 1.05 * 20_000_000 < sum(steps) / len(steps) < 1.2 * 20_000_000
+    # the fast component's draws are the same with or without the slow one
+    fast = replace(GPU, drift=RankDrift(0.1, 5_000_000))
+    both = replace(GPU, drift=RankDrift(0.1, 5_000_000, 1e-9, 1_000_000_000))
+    runs = []
+    for platform in (fast, both):
+        costs.platform = platform
+        runs.append(Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=3, jitter=0.0, rank_stalls=False))
+                    .run().step_time_ns)
+    assert runs[0] == pytest.approx(runs[1], rel=1e-6)
