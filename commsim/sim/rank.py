@@ -34,6 +34,7 @@ from commsim.sim.lateness import HostLateness
 from commsim.ir import ops as O
 from commsim.sim.allocator import Block
 from commsim.sim.cpu_scheduler import CpuScheduler, CpuThread
+from commsim.sim.drift import OuDrift
 from commsim.sim.rank_memory import RankMemory
 from commsim.sim.rank_speed import RankSpeed
 from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, stall_kind
@@ -70,14 +71,12 @@ class RankSim(RankMemory, RankSpeed):
         self.rng = random.Random(sim.config.seed * 1_000_003 + rank)
         self.node = sim.cost.node_of(rank)
         self.jitter = sim.jitter
-        self.noise_sd, self.noise_corr_ns = sim.rank_noise
-        self.noise_x = self.rng.gauss(0.0, self.noise_sd) if self.noise_sd else 0.0
-        self.noise_t = 0
-        # the drift's slow component: its own draws, so that a profile without one
-        # simulates as before
-        self.slow_sd, self.slow_corr_ns = sim.rank_noise_slow
-        self.slow_rng = random.Random(sim.config.seed * 7_919 + rank + 3)
-        self.slow_x = self.slow_rng.gauss(0.0, self.slow_sd) if self.slow_sd else 0.0
+        # the drift's components; the slow one draws from its own stream, so that adding
+        # it leaves the fast one's draws as they were
+        fast, slow = sim.rank_noise, sim.rank_noise_slow
+        self.drift = tuple(
+            ([OuDrift(fast[0], fast[1], self.rng)] if fast[0] else [])
+            + ([OuDrift(slow[0], slow[1], random.Random(sim.config.seed * 7_919 + rank + 3))] if slow[0] else []))
         # the stalls' arrival rate and each op's undisturbed share, once (None: no stalls)
         st = sim.rank_stalls
         self.stalls = (st.rate_per_s / 1e9, 1.0 / (1.0 + st.loss), st.lengths_ns) if st else None

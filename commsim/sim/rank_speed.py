@@ -9,9 +9,10 @@ mean. A framework's Python after its rank's collectives is priced cold first
 
 from __future__ import annotations
 
-from math import exp, sqrt
+from math import exp
 
 from commsim.ir import ops as O
+from commsim.hardware.noise import ou_window_var
 
 # host work that is a framework's own Python: its cost was timed back to back, and a
 # collective between two of its calls takes its cores and caches (framework_python_ns)
@@ -28,21 +29,15 @@ class RankSpeed:
         return self._speed(dur)
 
     def _speed(self, dur: int) -> int:
-        """A duration scaled by the rank's speed now: the OU processes (the drift and its
-        slow component) advanced from their last sample, exp(x - sd^2/2) so that the
-        mean factor is 1."""
-        if not (self.noise_sd or self.slow_sd):
+        """A duration scaled by the rank's speed during it: each drift component's mean
+        over the op (``commsim.sim.drift.OuDrift``), exp(sum - var/2) with var the
+        components' variance over that length, so that the mean factor is 1."""
+        if not self.drift:
             return self._stalled(dur)
-        dt = self.env.now - self.noise_t
-        self.noise_t = self.env.now
-        if dt and self.noise_sd:
-            rho = exp(-dt / self.noise_corr_ns)
-            self.noise_x = self.noise_x * rho + self.noise_sd * sqrt(1.0 - rho * rho) * self.rng.gauss(0.0, 1.0)
-        if dt and self.slow_sd:
-            rho = exp(-dt / self.slow_corr_ns)
-            self.slow_x = self.slow_x * rho + self.slow_sd * sqrt(1.0 - rho * rho) * self.slow_rng.gauss(0.0, 1.0)
-        var = self.noise_sd ** 2 + self.slow_sd ** 2
-        return self._stalled(max(1, int(dur * exp(self.noise_x + self.slow_x - var / 2))))
+        now = self.env.now
+        x = sum(c.mean_over(now, dur) for c in self.drift)
+        var = sum(ou_window_var(c.sd, c.corr_ns, dur) for c in self.drift)
+        return self._stalled(max(1, int(dur * exp(x - var / 2))))
 
     def _stalled(self, dur: int) -> int:
         """``dur``, a measured mean that holds its share of the rank's stalls, as
