@@ -3,7 +3,7 @@ speed, read as its mean over each op's duration.
 
 A kernel's time is its work at the rank's speed *during* it. Where kernels are much
 shorter than the drift's correlation time the speed at the kernel's start would do, but
-calibrate finds components of 20-40 ms on the development VM (``noise.fit_rank_drift``)
+calibrate finds components of 10-40 ms on the development VM (``noise.fit_rank_drift``)
 beside kernels of tens of milliseconds, and one draw per kernel would give a 50 ms kernel
 the variance of an instant (a 10% sd where its mean over 50 ms varies by 7.6% at a 26 ms
 correlation time). So each op draws the process's mean over its duration, jointly with

@@ -70,7 +70,9 @@ class Simulator:
         # same program over their own groups, as the generator declares.
         symmetric_ok = len(schedule.programs) == 1 or schedule.meta.rank_symmetric
         noise_sd, noise_corr_ns = rank_noise(cost, config)
-        slow = (platform.drift.slow_sd, platform.drift.slow_corr_ns)
+        # a config's rank noise replaces the profile's drift whole, its slow component too
+        overridden = config.rank_noise_sd is not None
+        slow = (0.0, 0) if overridden else (platform.drift.slow_sd, platform.drift.slow_corr_ns)
         stalls = platform.stalls if config.rank_stalls else NO_STALLS
         if mode == "auto":
             # more ranks than cores: their time slices matter, so every rank is simulated;
@@ -85,7 +87,6 @@ class Simulator:
         self.mode = mode
         self.jitter = config.jitter if config.jitter is not None else (0.01 if mode == "per-rank" else 0.0)
         self.rank_noise = (noise_sd, noise_corr_ns) if mode == "per-rank" and noise_sd else (0.0, 0)
-        # the slow component is the profile's alone (a config's rank_noise_sd sets the first)
         self.rank_noise_slow = slow if mode == "per-rank" and slow[0] else (0.0, 0)
         self.rank_stalls = stalls if mode == "per-rank" else NO_STALLS
         self.host_jitter = config.host_jitter if config.host_jitter is not None else platform.host_jitter

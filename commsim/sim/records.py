@@ -25,7 +25,8 @@ class SimConfig:
     # A rank's speed drifting over time (per-rank mode): every kernel and copy of a rank
     # is scaled by exp(x(t)), x an Ornstein-Uhlenbeck process of this standard deviation
     # and correlation time, independent per rank. None: the platform's measured drift
-    # (``commsim calibrate`` on CPU backends), else none.
+    # (``commsim calibrate`` on CPU backends, with its slow component), else none; set,
+    # it replaces the platform's drift whole.
     rank_noise_sd: float | None = None
     rank_noise_corr_ns: int | None = None
     # Each rank's short stalls of its own, as the platform measured them (RankStalls),

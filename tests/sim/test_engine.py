@@ -444,6 +444,9 @@ def test_a_slow_drift_component_simulates_every_rank_and_adds_its_own_draws():
     assert sim.mode == "per-rank" and sim.rank_noise == (0.0, 0) and sim.rank_noise_slow == (0.2, 2_000_000_000)
     res = simulate(sim)
     assert res.rank_noise_slow == (0.2, 2_000_000_000)
+    # a config's rank noise replaces the profile's drift whole: sd 0 turns both off
+    assert Simulator(Schedule.uniform(2, prog), costs, SimConfig(rank_noise_sd=0.0, rank_stalls=False)).mode == \
+        "symmetric"
     steps = [Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=s, jitter=0.0, rank_stalls=False)).run()
              .step_time_ns for s in range(200)]
     # E max of two normals of sd 0.2: 0.2 / sqrt(pi), +11%
