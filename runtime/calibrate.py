@@ -307,10 +307,10 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         if not self.quick:
             self.gemm_shapes_round()
         slow_c, slow_n, slow_lat = self.contention()
-        issue_ns, per_op_ns = self.executor_overheads()
+        loop = self.executor_overheads()
         launches = self.launch_costs()
         alloc_a, alloc_per_byte, alloc_points = self.alloc()
-        first_touch = self.first_touch()
+        first_touch, unmap = self.first_touch()
         if not self.quick:
             self.gemm_shapes_round()
         shapes = self.gemm_shapes()
@@ -329,10 +329,11 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
         measured = Measured(
             gemm_by_dtype=gemm_by_dtype, gemm_shapes_by_dtype=shapes, mem_latency_s=mem_a, mem_bytes_per_s=mem_bw,
             mem_points=mem_points, collectives=colls, comm_slowdown=slow_c, comm_slowdown_during_compute=slow_n,
-            comm_latency_slowdown_during_compute=slow_lat, issue_ns=issue_ns, per_op_ns=per_op_ns,
+            comm_latency_slowdown_during_compute=slow_lat, issue_ns=loop.issue_ns, inline_kernel_ns=loop.kernel_ns,
+            host_op_ns=loop.host_op_ns,
             alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
-            first_touch_s_per_byte=first_touch, reported_pages=reported, cpu_cores=cores, time_slice_ns=slice_ns,
-            rank_noise=noise, rank_stalls=stalls,
+            first_touch_s_per_byte=first_touch, unmap_s_per_byte=unmap, reported_pages=reported, cpu_cores=cores,
+            time_slice_ns=slice_ns, rank_noise=noise, rank_stalls=stalls,
             devices=devices, nodes=self.nodes, kernel_overhead_ns=kernel_ns, copies=copies,
             allocator=allocator, cache=in_cache, host_costs=launches, framework_kernels=classes)
         return profile_document(measured, self.platform, self.device, self.world, self.ranks_per_node)

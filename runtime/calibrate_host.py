@@ -18,11 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commsim.ir import ops as O
-from commsim.ir.schedule import Program, Schedule
 from runtime.calibrate_cpu import cpu_cores
 from runtime.calibrate_profile import host_memory
 from runtime.executor import RankExecutor, RankOptions
+from runtime.executor_loop import HOST_OP_KINDS, LoopCosts, loop_costs, loop_schedule
 from runtime.page_reporting import balloon_reports, reported_extra, reported_met, reporting_period_s
 from runtime.timing import HOST_MAX_CALLS, HostTimer, latency_bandwidth, per_call
 
@@ -62,24 +61,22 @@ class HostMeasurements:
                 "source": "launches timed by commsim calibrate (a PyTorch op's dispatch on this CPU; collective calls "
                           "priced by the backend's call time)"}
 
-    def executor_overheads(self) -> tuple[int, int]:
-        """(host ns to issue a device op, per-op overhead ns) of the executor itself."""
-        n = 300
-        step = tuple(O.Compute(O.OpId(i + 1), "compute", "tiny", O.ComputeKind.ELEMENTWISE, 0, 64, 64)
-                     for i in range(n))
-        sched = Schedule.uniform(self.world, Program((), step))
-        ex = RankExecutor(sched, self.rank, self.backend, RankOptions(steps=3, warmup=1))
-        run = ex.run()
-        per_op = statistics.median(run.step_times_ns) / n
-        issue = [r for r in run.records if r.stream != "host"]
-        # issue cost: how fast the host hands ops over (start of the i-th op can be no
-        # earlier than i issues); estimate from the worker's inter-op gaps and span
-        starts = sorted(r.start_ns for r in issue if r.step == 0)
-        gaps = [b - a for a, b in zip(starts, starts[1:])]
-        issue_ns = int(statistics.median(gaps)) if gaps else 0
-        per_op, issue_f = self.mean_of_ranks([per_op, float(issue_ns)])  # a rank's own: see _together
-        self.log(f"executor: {per_op / 1e3:.1f} us per op, host issue {issue_f / 1e3:.1f} us")
-        return int(issue_f), int(per_op)
+    def executor_overheads(self) -> LoopCosts:
+        """The executor's own cost per op (``runtime.executor_loop``): a step of tiny
+        kernels and of host ops of no duration, each kind in a block, run as
+        ``commsim execute`` runs it; the ranks' mean of each figure."""
+        sched = loop_schedule(self.world)
+        run = RankExecutor(sched, self.rank, self.backend, RankOptions(steps=3, warmup=1)).run()
+        costs = [loop_costs([r for r in run.records if r.step == s], self.platform.inline_kernels)
+                 for s in range(3)]
+        mine = [statistics.median(getattr(c, f) for c in costs) for f in ("issue_ns", "kernel_ns")]
+        mine += [statistics.median(c.host_op_ns[k] for c in costs) for k in HOST_OP_KINDS]
+        mean = self.mean_of_ranks([float(x) for x in mine])  # a rank's own: see _together
+        out = LoopCosts(int(mean[0]), int(mean[1]), {k: int(v) for k, v in zip(HOST_OP_KINDS, mean[2:])})
+        self.log(f"executor: host issue {out.issue_ns / 1e3:.1f} us per device op"
+                 + (f", a tiny kernel {out.kernel_ns / 1e3:.1f} us" if out.kernel_ns else "")
+                 + "; per host op " + ", ".join(f"{k} {v / 1e3:.1f} us" for k, v in out.host_op_ns.items()))
+        return out
 
     def alloc(self) -> tuple[float, float, list[list[float]]]:
         """Allocations as the executor makes them (on CPUs: zeroed host memory), in a
@@ -172,20 +169,23 @@ class HostMeasurements:
                 "num_device_alloc": "num_device_alloc", "num_device_free": "num_device_free"}
         return {name: int(stats.get(key, 0)) for key, name in keys.items()}
 
-    def first_touch(self) -> float:
-        """Host memory: seconds per byte that a fresh page's first write costs over a
-        write to touched memory, plus its unmap at free. A block above glibc's mmap
-        threshold is fresh pages: ``torch.empty`` costs nothing until it is written,
-        then each page faults and the kernel zeroes it. Frameworks allocate such
-        blocks and write only part of them (DeepSpeed's gradient bucket). Measured
-        as fill(empty(n)) - fill again + free, n = 64 MiB. With a caching allocator
-        (GPUs): 0 (device memory is mapped whole by cudaMalloc)."""
+    def first_touch(self) -> tuple[float, float]:
+        """Host memory: (seconds per byte that a fresh page's first write costs over a
+        write to touched memory, seconds per byte of its unmap at free). A block above
+        glibc's mmap threshold is fresh pages: ``torch.empty`` costs nothing until it is
+        written, then each page faults and the kernel zeroes it; its free unmaps the
+        written pages, which the kernel tears down one by one (the simulator charges
+        that to the free, not the allocation: an executor's or framework's free is
+        often in another phase than its allocation). Frameworks allocate such blocks
+        and write only part of them (DeepSpeed's gradient bucket). Measured as
+        fill(empty(n)) - fill again, and free, n = 64 MiB. With a caching allocator
+        (GPUs): 0, 0 (device memory is mapped whole by cudaMalloc, and kept)."""
         if self.platform.caching_allocator:
-            return 0.0
+            return 0.0, 0.0
         n = 64 << 20
         rounds = 3 if self.quick else 6
         clock, share = self._host_work_clock()  # wall time, in turns: see alloc
-        per_round = []
+        per_round, unmaps = [], []
         for r in range(rounds + 1):
             for mine in self._turns():
                 if not mine:
@@ -199,10 +199,12 @@ class HostMeasurements:
                 del x
                 t3 = clock()
                 if r:  # the first round warms the code path up
-                    per_round.append(((t1 - t0) - (t2 - t1) + (t3 - t2)) / n / share)
-        mean = self.rank_mean(max(0.0, statistics.fmean(per_round)))  # a rank's own: see _together
-        self.log(f"first touch of fresh pages: {mean * 1e9:.3f} ns/B")
-        return mean
+                    per_round.append(((t1 - t0) - (t2 - t1)) / n / share)
+                    unmaps.append((t3 - t2) / n / share)
+        # a rank's own: see _together
+        fault, unmap = self.mean_of_ranks([max(0.0, statistics.fmean(per_round)), statistics.fmean(unmaps)])
+        self.log(f"first touch of fresh pages: {fault * 1e9:.3f} ns/B; their unmap at free {unmap * 1e9:.3f} ns/B")
+        return fault, unmap
 
     def reported_pages(self, pass_times_s: list[float]) -> tuple[float, float] | None:
         """A guest that reports the memory its processes free to its hypervisor

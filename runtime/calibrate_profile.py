@@ -37,11 +37,13 @@ class Measured:
     comm_slowdown_during_compute: float
     comm_latency_slowdown_during_compute: float
     issue_ns: int
-    per_op_ns: int
+    inline_kernel_ns: int  # CPUs: the executor's tiny kernel as recorded (runtime.executor_loop)
+    host_op_ns: dict[str, int]  # the executor's loop per host op, by kind (runtime.executor_loop)
     alloc_latency_s: float
     alloc_s_per_byte: float
     alloc_points: list[list[float]]  # [bytes, seconds]
     first_touch_s_per_byte: float
+    unmap_s_per_byte: float  # written host pages handed back at a free (munmap)
     cpu_cores: int
     time_slice_ns: int | None
     rank_noise: dict[str, float] | None
@@ -80,9 +82,10 @@ def profile_document(m: Measured, platform: Platform, device: torch.device, worl
                 "latency_ns": int(m.mem_latency_s * 1e9)}
     # a kernel's fixed cost: on GPUs its device time alone (the host's issue is
     # ``issue_ns``, priced apart); on CPUs the larger of the memory-bound kernels' fixed
-    # cost and the executor's own per-op time, both on the host thread that runs it
+    # cost and the executor's tiny kernel as recorded (the loop between records is
+    # ``issue_ns``), both on the host thread that runs it
     overhead = m.kernel_overhead_ns if m.kernel_overhead_ns is not None else \
-        max(int(m.mem_latency_s * 1e9), m.per_op_ns)
+        max(int(m.mem_latency_s * 1e9), m.inline_kernel_ns)
     return {
         "kind": "commsim-hw-profile", "schema_version": PROFILE_SCHEMA_VERSION,
         "description": f"{world} ranks ({ranks_per_node} per node, {m.nodes} node{'s' if m.nodes != 1 else ''}), "
@@ -92,6 +95,7 @@ def profile_document(m: Measured, platform: Platform, device: torch.device, worl
         "timing": "host_clock" if platform.inline_kernels else "cuda_events",
         "kernel_overhead_ns": overhead,
         "issue_ns": m.issue_ns,
+        "executor_host_op_ns": dict(m.host_op_ns),
         "gemm": m.gemm_by_dtype[precision],
         "gemm_by_dtype": m.gemm_by_dtype,
         "default_dtype": precision,
@@ -115,6 +119,7 @@ def profile_document(m: Measured, platform: Platform, device: torch.device, worl
         "alloc": {"malloc_base_ns": int(m.alloc_latency_s * 1e9), "malloc_ns_per_byte": m.alloc_s_per_byte * 1e9,
                   "free_base_ns": int(m.alloc_latency_s * 1e9), "free_ns_per_byte": 0.0, "points": m.alloc_points,
                   "first_touch_ns_per_byte": m.first_touch_s_per_byte * 1e9,
+                  "unmap_ns_per_byte": m.unmap_s_per_byte * 1e9,
                   **({"page_report_period_ns": round(m.reported_pages[0] * 1e9),
                       "reported_page_extra_ns_per_byte": m.reported_pages[1] * 1e9} if m.reported_pages else {})},
     }

@@ -50,6 +50,9 @@ class CostModel(Protocol):
     # write (which bytes are fresh is the simulator's to say: sim.host_heap); None:
     # allocations are priced by size alone (host_malloc_ns)
     def fresh_page_ns_per_byte(self) -> float | None: ...
+    # host pages written and handed back to the OS at a free (munmap, heap trim): their
+    # teardown, on the freeing thread; 0 where blocks are cached
+    def host_unmap_ns(self, nbytes: int) -> int: ...
     # a CPU rank in a virtual machine that reports free memory to its hypervisor: the
     # reporting period (ns) and a reported page's extra first-write cost (ns a byte);
     # None: no page is priced as reported (sim.returned_pages)
@@ -67,6 +70,8 @@ class CostModel(Protocol):
     comm_slowdown_during_compute: float
     comm_latency_slowdown_during_compute: float
     issue_ns: int  # host time to hand one device op to its stream
+    # the executor's loop per host op, by kind ("work", "sync", "alloc", "free"; absent: 0)
+    def host_op_ns(self) -> dict[str, int]: ...
     # caching allocator misses: cudaMalloc / cudaFree of a segment
     malloc_base_ns: int
     malloc_ns_per_byte: float
@@ -126,6 +131,12 @@ class SpecCostModel:
 
     def reported_pages(self) -> tuple[int, float] | None:
         return None  # device memory: cudaMalloc's segments, cached
+
+    def host_unmap_ns(self, nbytes: int) -> int:
+        return 0  # the caching allocator keeps freed blocks
+
+    def host_op_ns(self) -> dict[str, int]:
+        return {}  # a framework's host costs are its schedule's host ops
 
     def framework_python_ns(self, duration_ns: int, cold: bool) -> int:
         return duration_ns  # NCCL runs on the device, not on the host's cores

@@ -129,7 +129,7 @@ class HardwareProfile:
     collectives: dict[str, dict[tuple[str, int], CollectiveFit]]
     comm_slowdown: float
     comm_slowdown_during_compute: float
-    issue_ns: int
+    issue_ns: int  # the executor's host time per device op beyond its record (runtime.executor_loop)
     caching_allocator: bool  # False: every allocation pays the measured cost (host malloc)
     malloc_base_ns: int
     malloc_ns_per_byte: float
@@ -140,10 +140,15 @@ class HardwareProfile:
     # (measured by calibrate). More ranks than cores: the simulator time-slices them.
     cpu_cores: int | None = None
     time_slice_ns: int = 0
-    # host memory: the first write of a fresh page (fault, kernel zeroing) and its unmap
-    # at free, per byte, over what a write to touched memory costs (calibrate measures
-    # it; 0: not measured, the allocation table's large-size cost per byte stands in)
+    # host memory: the first write of a fresh page (fault, kernel zeroing), per byte, over
+    # what a write to touched memory costs (calibrate measures it; 0: not measured, the
+    # allocation table's large-size cost per byte stands in); and handing a written page
+    # back to the OS (munmap of an mmapped block, or glibc's trim of its heap) at free,
+    # per byte. Profiles older than that split: 0, their first touch includes the unmap.
     first_touch_ns_per_byte: float = 0.0
+    unmap_ns_per_byte: float = 0.0
+    # the executor's loop per host op, by kind (work, sync, alloc, free; absent: 0)
+    executor_host_op_ns: tuple[tuple[str, int], ...] = ()
     # a virtual machine that reports free memory to its hypervisor: its reporting period
     # and what a reported page's first write costs over a fast one, per byte (calibrate,
     # where the guest reports; 0: not measured, no page is priced as reported)
@@ -231,14 +236,28 @@ class HardwareProfile:
             return int(side[0][1] * size_bytes / side[0][0] * 1e9)
         return max(0, int(piecewise(side if side else pts, size_bytes) * 1e9))
 
+    def host_op_ns(self) -> dict[str, int]:
+        """The executor's loop per host op, by kind (``executor_host_op_ns``)."""
+        return dict(self.executor_host_op_ns)
+
+    def host_unmap_ns(self, nbytes: int) -> int:
+        """Handing ``nbytes`` of written host pages back to the OS at a free (munmap of
+        a block above glibc's mmap threshold, or a trim of the heap's top): the kernel
+        tears each page down, 4.3 ms for a written 64 MiB tensor on the reference VM
+        (calibrate's ``first_touch`` times it). 0 with a caching allocator (a cached
+        block is not unmapped) or where the profile predates the figure."""
+        if self.caching_allocator:
+            return 0
+        return int(self.unmap_ns_per_byte * nbytes)
+
     def fresh_page_ns_per_byte(self) -> float | None:
         """A framework's allocation (``framework``, on a malloc platform) is a
         ``torch.empty`` that the op making it writes (the generators emit a fill op where
         the framework zeroes one): it costs nothing beyond that op's dispatch but the
         first write of fresh pages, which the simulator finds from glibc's fixed 32 MiB
         ceiling or, asked to, by tracking glibc's heap (``sim.host_heap``), at the
-        calibrated first touch (fault, kernel zeroing, and the unmap or trim that hands
-        the page back) per byte. torch's sqrt into a new 4 KiB-30 MiB tensor took as long
+        calibrated first touch (fault and kernel zeroing; in profiles older than
+        ``unmap_ns_per_byte``, also the unmap or trim that hands the page back) per byte. torch's sqrt into a new 4 KiB-30 MiB tensor took as long
         as into an existing one (within 3%), into a new 34 / 64 MiB one 10.5 / 22.2 ms
         longer (0.33 ns a byte; bench/framework_alloc.py); the allocation table,
         zero-filled in a barrier's wake, prices a 4 KiB block at tens of us. Without a
@@ -262,8 +281,9 @@ class HardwareProfile:
     def run_by_framework(self) -> "HardwareProfile":
         """This profile pricing a framework's run of a schedule instead of commsim's
         executor's: without the executor's own per-op costs, which calibrate measures
-        (``executor_overheads``) and no framework pays. ``issue_ns`` is the executor's
-        host time to hand over an op (a framework's is the schedule's launch host op);
+        (``executor_overheads``) and no framework pays. ``issue_ns`` and
+        ``executor_host_op_ns`` are the executor's loop between its records (a
+        framework's is the schedule's launch and Python host ops);
         where kernels run inline (CPUs) the kernel's fixed cost is the executor's per-op
         time (its loop and the stand-in kernel's Python), of which a framework's op pays
         the launch host op's dispatch only (``host_costs.launch_ns``, a torch op's
@@ -272,7 +292,8 @@ class HardwareProfile:
         ``framework_kernels`` by class and dtype where calibrate measured them, and its
         allocations are empty ones (``host_malloc_ns``)."""
         inline = self.platform.inline_kernels
-        return replace(self, issue_ns=0, kernel_overhead_ns=0 if inline else self.kernel_overhead_ns, framework=True)
+        return replace(self, issue_ns=0, executor_host_op_ns=(),
+                       kernel_overhead_ns=0 if inline else self.kernel_overhead_ns, framework=True)
 
     @cached_property
     def platform(self) -> Platform:

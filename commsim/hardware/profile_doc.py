@@ -19,6 +19,7 @@ Format (JSON), schema version 2::
      "comm_slowdown_during_compute": 2, # and collectives this much slower during compute (optional)
      "comm_latency_slowdown_during_compute": 3,  # and their fixed latency (optional)
      "issue_ns": 20000,                 # host time to issue one device op (optional)
+     "executor_host_op_ns": {"work": 2500, "sync": 2500, "alloc": 2500, "free": 800},  # optional: see below
      "cache": {"bytes": 33554432, "bytes_per_s": 6e10,  # CPU backends (optional): see below
                "python_cold_factor": 1.9},
      "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
@@ -54,6 +55,14 @@ reporting period, and what the first write of a page the guest has reported cost
 a fast fresh page; a large block's pages are priced so by the share the guest has
 reported since its rank freed them, which grows with their age in periods
 (``sim.returned_pages``).
+``alloc.unmap_ns_per_byte`` (optional): handing written pages back to the OS at a free
+(munmap of a block above the threshold, or a trim of the heap), per byte, charged to
+the free; profiles without it counted that in ``first_touch_ns_per_byte``.
+
+``issue_ns`` and ``executor_host_op_ns`` (optional): the executor's own loop, where no
+op is recorded (``runtime.executor_loop``): per device op, and per host op by kind
+(host work, host sync, allocation, free). Only a prediction for ``commsim execute``
+pays them; a framework's loop is its schedule's host ops.
 
 ``cache``: the last-level cache's size and the memory-bound kernel's rate on data in
 it. A compute op's ``reuse_bytes`` (bytes the ops just before it touched) are priced
@@ -180,6 +189,7 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         comm_latency_slowdown_during_compute=_num(obj, "comm_latency_slowdown_during_compute", where)
         if "comm_latency_slowdown_during_compute" in obj else 1.0,
         issue_ns=int(_num(obj, "issue_ns", where, positive=False)) if "issue_ns" in obj else 0,
+        executor_host_op_ns=_host_op_ns(obj.get("executor_host_op_ns"), f"{where}: executor_host_op_ns"),
         caching_allocator=bool(obj.get("caching_allocator", obj.get("backend") == "nccl")),
         malloc_base_ns=int(_num(alloc, "malloc_base_ns", f"{where}: alloc", positive=False)),
         malloc_ns_per_byte=_num(alloc, "malloc_ns_per_byte", f"{where}: alloc", positive=False),
@@ -190,6 +200,8 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         time_slice_ns=int(_num(obj, "time_slice_ns", where)) if obj.get("time_slice_ns") is not None else 0,
         first_touch_ns_per_byte=_num(alloc, "first_touch_ns_per_byte", f"{where}: alloc", positive=False)
         if "first_touch_ns_per_byte" in alloc else 0.0,
+        unmap_ns_per_byte=_num(alloc, "unmap_ns_per_byte", f"{where}: alloc", positive=False)
+        if "unmap_ns_per_byte" in alloc else 0.0,
         page_report_period_ns=int(_num(alloc, "page_report_period_ns", f"{where}: alloc", positive=False))
         if "page_report_period_ns" in alloc else 0,
         reported_page_extra_ns_per_byte=_num(alloc, "reported_page_extra_ns_per_byte", f"{where}: alloc",
@@ -261,6 +273,19 @@ def _rank_noise(noise: Any, where: str) -> dict[str, Any]:
         out.update(rank_noise_slow_sd=slow, rank_noise_slow_corr_ns=int(_num(noise, "slow_corr_ns", where,
                                                                              positive=bool(slow))))
     return out
+
+
+# the executor's loop per host op, by the kind of op (runtime.executor_loop)
+HOST_OP_KINDS = ("work", "sync", "alloc", "free")
+
+
+def _host_op_ns(loop: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if loop is None:
+        return ()
+    if not isinstance(loop, dict) or set(loop) - set(HOST_OP_KINDS):
+        raise CommsimInputError(f"{where}: must be an object with fields among {', '.join(HOST_OP_KINDS)} "
+                                "(ns, >= 0)")
+    return tuple((k, int(_num(loop, k, where, positive=False))) for k in HOST_OP_KINDS if k in loop)
 
 
 def _rank_stalls(stalls: Any, where: str) -> dict[str, Any]:

@@ -77,7 +77,8 @@ class HostHeap:
     free_at: dict[int, int] = field(default_factory=dict)
     by_size: list[tuple[int, int]] = field(default_factory=list)
     free_ending: dict[int, int] = field(default_factory=dict)  # end -> address of that free chunk
-    used: dict[str, tuple[int, int, bool]] = field(default_factory=dict)  # name -> (addr, size, mmapped)
+    # name -> (addr, size, mmapped, the written bytes an mmapped block unmaps at free)
+    used: dict[str, tuple[int, int, bool, int]] = field(default_factory=dict)
     fresh: list[tuple[int, int]] = field(default_factory=list)  # heap pages never written, sorted
     faulted_bytes: int = 0  # every fresh byte written so far
     trims: int = 0
@@ -99,8 +100,8 @@ class HostHeap:
             req = nb + TORCH_ALIGN_BYTES + MIN_CHUNK_BYTES
             if req >= self.mmap_threshold:
                 mapped = _pages(req + 8)
-                self.used[name] = (-1, mapped, True)
                 faulted = _pages(written) if written else 0
+                self.used[name] = (-1, mapped, True, faulted)
                 self.faulted_bytes += faulted
                 return faulted
             self._grow(nb)
@@ -108,7 +109,7 @@ class HostHeap:
             got = (self.top, nb)
             self.top += nb
         addr, nb = got
-        self.used[name] = (addr, nb, False)
+        self.used[name] = (addr, nb, False, 0)
         faulted = self._write(addr, written)
         self.faulted_bytes += faulted
         return faulted
@@ -149,13 +150,15 @@ class HostHeap:
         return faulted
 
     # ------------------------------------------------------------ free
-    def free(self, name: str) -> None:
-        addr, size, mmapped = self.used.pop(name)
+    def free(self, name: str) -> int:
+        """Free ``name``; returns the bytes of written pages it hands back to the OS (an
+        mmapped block's, or those of the heap's top that a trim releases)."""
+        addr, size, mmapped, unmapped = self.used.pop(name)
         if mmapped:
             if self.mmap_threshold < size <= MMAP_THRESHOLD_MAX:
                 self.mmap_threshold = size
                 self.trim_threshold = 2 * size
-            return
+            return unmapped
         start, end = addr, addr + size
         # merge with the free chunk ending here and the one starting at the end
         if start in self.free_ending:
@@ -168,9 +171,10 @@ class HostHeap:
         if end == self.top:
             self.top = start
             if size >= CONSOLIDATION_BYTES and self.brk - self.top >= self.trim_threshold:
-                self._trim()
+                return self._trim()
         else:
             self._add_free(start, end - start)
+        return 0
 
     def _add_free(self, addr: int, size: int) -> None:
         self.free_at[addr] = size
@@ -182,17 +186,21 @@ class HostHeap:
         del self.free_ending[addr + size]
         self.by_size.pop(bisect.bisect_left(self.by_size, (size, addr)))
 
-    def _trim(self) -> None:
-        """systrim: release all of the top but M_TOP_PAD (and MINSIZE), in whole pages."""
+    def _trim(self) -> int:
+        """systrim: release all of the top but M_TOP_PAD (and MINSIZE), in whole pages.
+        Returns the bytes of written pages released (fresh ones were never mapped in)."""
         area = self.brk - self.top - MIN_CHUNK_BYTES - 1
         if area <= TOP_PAD_BYTES:
-            return
+            return 0
         extra = (area - TOP_PAD_BYTES) // PAGE_BYTES * PAGE_BYTES
         if not extra:
-            return
+            return 0
+        old_brk = self.brk
         self.brk -= extra
+        never_written = sum(min(b, old_brk) - max(a, self.brk) for a, b in self.fresh if b > self.brk)
         self.fresh = [(a, min(b, self.brk)) for a, b in self.fresh if a < self.brk]
         self.trims += 1
+        return extra - never_written
 
 
 def mapped_fresh_bytes(size_bytes: int, touch_bytes: int | None = None) -> int:

@@ -143,6 +143,10 @@ class RankSim(RankMemory, RankSpeed):
         # before the next op that interacts with the device or the allocator.
         host_t = env.now
         issue_ns = self.cost.issue_ns
+        loop = self.cost.host_op_ns()
+        # the executor's loop per host op, where it measured one (runtime.executor_loop)
+        loop_ns = {O.HostWork: loop.get("work", 0), O.HostSync: loop.get("sync", 0),
+                   O.Alloc: loop.get("alloc", 0), O.Free: loop.get("free", 0)} if loop else {}
         for op in self.program.step:
             if self.host_debt_ns:
                 t = max(host_t, env.now)
@@ -151,6 +155,8 @@ class RankSim(RankMemory, RankSpeed):
                 self.host_debt_ns = 0
             if issue_ns and isinstance(op, O.DEVICE_OP_TYPES):
                 host_t += issue_ns  # the host's own cost of handing the op to its stream
+            elif loop_ns:
+                host_t += loop_ns.get(type(op), 0)  # the executor's bookkeeping around a host op
             if isinstance(op, O.HostWork):
                 dur = self._host_ns(self._warmth_ns(op))
                 if self.cpu is not None:  # the host thread needs a core for it
@@ -184,7 +190,7 @@ class RankSim(RankMemory, RankSpeed):
                 if rec:
                     self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
             elif isinstance(op, O.Free):
-                self._free(op)
+                yield from self._free(op)
             else:
                 yield from self.issue_device(op)
             host_t = env.now

@@ -37,7 +37,7 @@ class RankMemory:
         reported = self.cost.reported_pages()
         self.returned = ReturnedPages(reported[0]) if reported else None
         self.reported_extra_ns_per_byte = reported[1] if reported else 0.0
-        self.mapped: dict[str, int] = {}  # live large (mmapped) buffer -> its written bytes
+        self.mapped: dict[str, int] = {}  # live mmapped buffer (malloc platforms) -> its written bytes
 
     def adopt_memory(self, warm: "RankMemory") -> None:
         """Start from another rank's memory state (a warm-up already simulated)."""
@@ -84,23 +84,29 @@ class RankMemory:
             # a framework's torch.empty: only the first write of fresh pages costs; glibc's
             # heap (or its fixed ceiling alone) says which they are; the rank's thread at
             # work (its stalls too)
+            unmapped = self._replace_kept(op)
             if self.heap is None:
                 fresh = mapped_fresh_bytes(op.size_bytes, op.touch_bytes)
+                self._note_mapped(op, fresh)
             else:
-                if op.buffer in self.heap_keys:  # a step buffer the previous step kept
-                    self.heap.free(self.heap_keys.pop(op.buffer))
                 key = self.heap_keys[op.buffer] = f"{op.buffer}#{next(self.heap_n)}"
                 fresh = self.heap.malloc(key, op.size_bytes, op.touch_bytes)
+                _, _, mmapped, written = self.heap.used[key]
+                self._note_mapped(op, written if mmapped else 0)
             pages = self.result.fresh_page_bytes
             pages[op.phase.value] = pages.get(op.phase.value, 0) + fresh
             extra = self._reported_ns(op)
-            yield from self._on_core(self._stalled(int(self.fresh_ns_per_byte * fresh) + extra))
+            ns = int(self.fresh_ns_per_byte * fresh) + extra + cost.host_unmap_ns(unmapped)
+            yield from self._on_core(self._stalled(ns))
         elif not platform.caching_allocator:
             # host malloc, every time (the block bookkeeping still gives peaks): priced by
             # size where the profile measured it (heap reuse vs fresh mmapped pages)
             # the rank's thread at work, so its stalls arrive during it too (RankStalls)
+            unmapped = self._replace_kept(op)
+            self._note_mapped(op, mapped_fresh_bytes(op.size_bytes, op.touch_bytes))
             extra = self._reported_ns(op)
-            yield from self._on_core(self._stalled(cost.host_malloc_ns(op.size_bytes, op.touch_bytes) + extra))
+            ns = cost.host_malloc_ns(op.size_bytes, op.touch_bytes) + extra + cost.host_unmap_ns(unmapped)
+            yield from self._on_core(self._stalled(ns))
         else:
             yield env.timeout(self.sim.config.alloc_hit_ns)
         self.blocks[op.buffer] = res.block
@@ -109,6 +115,22 @@ class RankMemory:
         st = self.alloc.stats
         self.result.memory_samples.append((env.now, st.allocated_bytes, st.reserved_bytes))
 
+    def _replace_kept(self, op: O.Alloc) -> int:
+        """A step buffer the previous step kept (allocated again, never freed): its old
+        block goes now. Returns the written bytes that hands back to the OS."""
+        unmapped = self.mapped.pop(op.buffer, 0)
+        if unmapped and self.returned is not None:
+            self.returned.returned(self.env.now, unmapped)
+        if self.heap is not None and op.buffer in self.heap_keys:
+            unmapped = self.heap.free(self.heap_keys.pop(op.buffer))  # its mmapped bytes or a trim's
+        return unmapped
+
+    def _note_mapped(self, op: O.Alloc, written: int) -> None:
+        """``op``'s block is mmapped with ``written`` bytes written (0: a heap block):
+        its free unmaps them."""
+        if written:
+            self.mapped[op.buffer] = written
+
     def _reported_ns(self, op: O.Alloc) -> int:
         """A large (mmapped) block's fresh pages on a VM that reports free memory: the
         share of them the guest has reported, by the age of the pages this rank gave
@@ -116,12 +138,7 @@ class RankMemory:
         if self.returned is None or op.size_bytes < GLIBC_MMAP_THRESHOLD_MAX_BYTES:
             return 0
         written = op.size_bytes if op.touch_bytes is None else op.touch_bytes
-        extra = self._take_returned(written, op.phase)
-        kept = self.mapped.get(op.buffer)  # the step before's block of a kept buffer: freed once replaced
-        if kept:
-            self.returned.returned(self.env.now, kept)
-        self.mapped[op.buffer] = written  # unmapped at free: pages only where written
-        return extra
+        return self._take_returned(written, op.phase)
 
     def _take_returned(self, written: int, phase: O.Phase) -> int:
         """Fresh pages for ``written`` bytes of a large block now: the reported ones are
@@ -132,18 +149,23 @@ class RankMemory:
             pages[phase.value] = pages.get(phase.value, 0) + nbytes
         return int(nbytes * self.reported_extra_ns_per_byte)
 
-    def _release(self, block: Block, heap_key: str | None, mapped_bytes: int = 0) -> None:
+    def _release(self, block: Block, heap_key: str | None, mapped_bytes: int = 0) -> int:
+        """Return ``block``; the written bytes its release hands back to the OS."""
         self.alloc.free(block)
+        unmapped = mapped_bytes
         if heap_key is not None:
-            self.heap.free(heap_key)
-        if mapped_bytes:  # glibc unmaps it: its pages go back to the OS now
+            unmapped = self.heap.free(heap_key)  # its mmapped bytes, or those a trim releases
+        if mapped_bytes and self.returned is not None:  # glibc unmaps it: its pages go back to the OS now
             self.returned.returned(self.env.now, mapped_bytes)
+        return unmapped
 
-    def _free(self, op: O.Free) -> None:
+    def _free(self, op: O.Free):
+        """Free a buffer; where that hands written pages back to the OS (munmap, a heap
+        trim), the host thread tears them down. A generator."""
         block = self.blocks.pop(op.buffer)
         home = self.block_stream.pop(op.buffer)
         key = self.heap_keys.pop(op.buffer, None) if self.heap is not None else None
-        mapped = self.mapped.pop(op.buffer, 0) if self.mapped else 0  # filled only on a reporting VM
+        mapped = self.mapped.pop(op.buffer, 0)
         # record_stream: the block returns once every other stream that used it has
         # passed this point (an event recorded on each at free time).
         evs = [self.last_issued[s] for s in self.buffer_streams.pop(op.buffer, ()) if s != home
@@ -159,8 +181,14 @@ class RankMemory:
 
             for e in evs:
                 e.callbacks.append(one_done)
+            # the block goes when another stream is done with it, but glibc's unmap of a
+            # mmapped one is known now; the free's thread pays it (a trim's is not)
+            unmapped = mapped
         else:
-            self._release(block, key, mapped)
+            unmapped = self._release(block, key, mapped)
         st = self.alloc.stats
         self.result.memory_samples.append((self.env.now, st.allocated_bytes, st.reserved_bytes))
+        ns = self.cost.host_unmap_ns(unmapped) if unmapped else 0
+        if ns:
+            yield from self._on_core(self._stalled(ns))
 

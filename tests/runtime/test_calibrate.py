@@ -153,8 +153,9 @@ def test_the_profile_document_follows_the_platform():
     m = Measured(gemm_by_dtype={"fp32": [[1.0, 2.0]], "bf16": [[1.0, 3.0]]}, gemm_shapes_by_dtype={},
                  mem_latency_s=2e-6, mem_bytes_per_s=1e10, mem_points=[[4096, 2e-6]], collectives={},
                  comm_slowdown=1.5, comm_slowdown_during_compute=1.2, comm_latency_slowdown_during_compute=2.0,
-                 issue_ns=1000, per_op_ns=3000, alloc_latency_s=1e-6, alloc_s_per_byte=1e-10,
-                 alloc_points=[[4096, 1e-6]], first_touch_s_per_byte=2e-10, cpu_cores=2, time_slice_ns=4_000_000,
+                 issue_ns=1000, inline_kernel_ns=3000,
+                 host_op_ns={"work": 2000, "sync": 2500, "alloc": 2000, "free": 900}, alloc_latency_s=1e-6, alloc_s_per_byte=1e-10,
+                 alloc_points=[[4096, 1e-6]], first_touch_s_per_byte=2e-10, unmap_s_per_byte=6e-11, cpu_cores=2, time_slice_ns=4_000_000,
                  rank_noise={"sd": 0.05, "corr_ns": 1e8}, cache={"bytes": 1 << 25, "bytes_per_s": 6e10},
                  rank_stalls={"rate_per_s": 30.0, "lengths_ns": [1000, 2000]})
     cpu = profile_document(m, platform_of_backend("gloo"), torch.device("cpu"), 4, 4)
@@ -165,6 +166,7 @@ def test_the_profile_document_follows_the_platform():
     assert (cpu["cpu_cores"], cpu["time_slice_ns"], cpu["rank_noise"]) == (2, 4_000_000, m.rank_noise)
     assert profile_from_dict(cpu, "cpu").platform.stalls.rate_per_s == 30.0
     assert cpu["kernel_overhead_ns"] == 3000 and cpu["alloc"]["first_touch_ns_per_byte"] == 0.2
+    assert cpu["alloc"]["unmap_ns_per_byte"] == 0.06 and profile_from_dict(cpu, "cpu").host_unmap_ns(1 << 20) == 62914
     assert cpu["description"].startswith("4 ranks (4 per node, 1 node), gloo, ")
     assert (cpu["backend"], cpu["world_size"], cpu["ranks_per_node"], cpu["nodes"], cpu["timing"]) == \
         ("gloo", 4, 4, 1, "host_clock")

@@ -19,6 +19,8 @@ class FixedCosts:
     free_ns_per_byte = 0.0
     describe = "fixed"
     reported = None
+    unmap_ns_per_byte = 0.0
+    loop_ns: dict = {}
 
     def __init__(self, hbm_bytes: int = 1 << 40, gpus_per_node: int = 1, link_bytes_per_s: float = 1e9,
                  latency_ns: int = 0):
@@ -44,6 +46,12 @@ class FixedCosts:
 
     def reported_pages(self):
         return self.reported  # (period ns, extra ns a byte) a test sets, else None
+
+    def host_op_ns(self):
+        return dict(self.loop_ns)  # the executor's loop per host op, if a test sets it
+
+    def host_unmap_ns(self, nbytes):
+        return int(self.unmap_ns_per_byte * nbytes)  # 0 unless a test sets it
 
     def framework_python_ns(self, duration_ns, cold):
         return duration_ns
