@@ -330,7 +330,7 @@ class Calibrator(CollectiveMeasurements, HostMeasurements, ContentionMeasurement
             gemm_by_dtype=gemm_by_dtype, gemm_shapes_by_dtype=shapes, mem_latency_s=mem_a, mem_bytes_per_s=mem_bw,
             mem_points=mem_points, collectives=colls, comm_slowdown=slow_c, comm_slowdown_during_compute=slow_n,
             comm_latency_slowdown_during_compute=slow_lat, issue_ns=loop.issue_ns, inline_kernel_ns=loop.kernel_ns,
-            host_op_ns=loop.host_op_ns,
+            host_op_ns=loop.host_op_ns, cold_points=loop.cold_points,
             alloc_latency_s=alloc_a, alloc_s_per_byte=alloc_per_byte, alloc_points=alloc_points,
             first_touch_s_per_byte=first_touch, unmap_s_per_byte=unmap, reported_pages=reported, cpu_cores=cores,
             time_slice_ns=slice_ns, rank_noise=noise, rank_stalls=stalls,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from runtime.calibrate_cpu import cpu_cores
 from runtime.calibrate_profile import host_memory
 from runtime.executor import RankExecutor, RankOptions
-from runtime.executor_loop import HOST_OP_KINDS, LoopCosts, loop_costs, loop_schedule
+from runtime.executor_loop import COLD_REPS, HOST_OP_KINDS, LoopCosts, loop_costs, loop_schedule
 from runtime.page_reporting import balloon_reports, reported_extra, reported_met, reporting_period_s
 from runtime.timing import HOST_MAX_CALLS, HostTimer, latency_bandwidth, per_call
 
@@ -65,17 +65,26 @@ class HostMeasurements:
         """The executor's own cost per op (``runtime.executor_loop``): a step of tiny
         kernels and of host ops of no duration, each kind in a block, run as
         ``commsim execute`` runs it; the ranks' mean of each figure."""
-        sched = loop_schedule(self.world)
+        inline = self.platform.inline_kernels
+        sched = loop_schedule(self.world, cold_reps=(COLD_REPS // (3 if self.quick else 1)) if inline else 0)
         run = RankExecutor(sched, self.rank, self.backend, RankOptions(steps=3, warmup=1)).run()
-        costs = [loop_costs([r for r in run.records if r.step == s], self.platform.inline_kernels)
-                 for s in range(3)]
+        costs = [loop_costs([r for r in run.records if r.step == s], inline) for s in range(3)]
         mine = [statistics.median(getattr(c, f) for c in costs) for f in ("issue_ns", "kernel_ns")]
         mine += [statistics.median(c.host_op_ns[k] for c in costs) for k in HOST_OP_KINDS]
+        cold_keys = [(cls, i) for cls, pts in costs[0].cold_points.items() for i in range(len(pts))]
+        mine += [statistics.median(c.cold_points[cls][i][1] for c in costs) for cls, i in cold_keys]
         mean = self.mean_of_ranks([float(x) for x in mine])  # a rank's own: see _together
-        out = LoopCosts(int(mean[0]), int(mean[1]), {k: int(v) for k, v in zip(HOST_OP_KINDS, mean[2:])})
+        cold = {cls: [[x, 0.0] for x, _ in pts] for cls, pts in costs[0].cold_points.items()}
+        for (cls, i), v in zip(cold_keys, mean[2 + len(HOST_OP_KINDS):]):
+            cold[cls][i][1] = v
+        out = LoopCosts(int(mean[0]), int(mean[1]), {k: int(v) for k, v in zip(HOST_OP_KINDS, mean[2:])}, cold)
         self.log(f"executor: host issue {out.issue_ns / 1e3:.1f} us per device op"
                  + (f", a tiny kernel {out.kernel_ns / 1e3:.1f} us" if out.kernel_ns else "")
                  + "; per host op " + ", ".join(f"{k} {v / 1e3:.1f} us" for k, v in out.host_op_ns.items()))
+        if cold:
+            self.log("Python after a kernel, over after a tiny one: "
+                     + ", ".join(f"{x / 2**20:g} MiB {y / 1e3:.0f} us" for x, y in cold["memory"][1:])
+                     + "; GEMMs " + ", ".join(f"{(x / 2) ** (1 / 3):.0f}^3 {y / 1e3:.0f} us" for x, y in cold["gemm"]))
         return out
 
     def alloc(self) -> tuple[float, float, list[list[float]]]:

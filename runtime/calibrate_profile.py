@@ -39,6 +39,7 @@ class Measured:
     issue_ns: int
     inline_kernel_ns: int  # CPUs: the executor's tiny kernel as recorded (runtime.executor_loop)
     host_op_ns: dict[str, int]  # the executor's loop per host op, by kind (runtime.executor_loop)
+    cold_points: dict[str, list[list[float]]]  # CPUs: Python after a kernel, by its size (runtime.executor_loop)
     alloc_latency_s: float
     alloc_s_per_byte: float
     alloc_points: list[list[float]]  # [bytes, seconds]
@@ -96,6 +97,7 @@ def profile_document(m: Measured, platform: Platform, device: torch.device, worl
         "kernel_overhead_ns": overhead,
         "issue_ns": m.issue_ns,
         "executor_host_op_ns": dict(m.host_op_ns),
+        **({"python_after_kernel": m.cold_points} if m.cold_points else {}),
         "gemm": m.gemm_by_dtype[precision],
         "gemm_by_dtype": m.gemm_by_dtype,
         "default_dtype": precision,

@@ -72,6 +72,9 @@ class CostModel(Protocol):
     issue_ns: int  # host time to hand one device op to its stream
     # the executor's loop per host op, by kind ("work", "sync", "alloc", "free"; absent: 0)
     def host_op_ns(self) -> dict[str, int]: ...
+    # CPUs: what the host's next Python pays after a kernel ran on the host thread (its
+    # data took the caches); 0 where kernels are queued on a device
+    def python_after_kernel_ns(self, op: O.Compute | O.Copy) -> int: ...
     # caching allocator misses: cudaMalloc / cudaFree of a segment
     malloc_base_ns: int
     malloc_ns_per_byte: float
@@ -137,6 +140,9 @@ class SpecCostModel:
 
     def host_op_ns(self) -> dict[str, int]:
         return {}  # a framework's host costs are its schedule's host ops
+
+    def python_after_kernel_ns(self, op: O.Compute | O.Copy) -> int:
+        return 0  # kernels run on the device: the host's caches stay its own
 
     def framework_python_ns(self, duration_ns: int, cold: bool) -> int:
         return duration_ns  # NCCL runs on the device, not on the host's cores

@@ -149,7 +149,12 @@ def fit_rank_drift(series: Sequence[Sequence[float]], bin_ns: int) -> tuple[tupl
     kernels' own jitter, left to the stall fit and the simulator's jitter."""
     n, m = len(series), len(series[0])
     assert bin_ns > 0, "needs a bin width"
-    measured = window_variances(series)
+    return _fit_window_vars(window_variances(series), m, n, bin_ns)
+
+
+def _fit_window_vars(measured: list[tuple[int, float]], m: int, n: int, bin_ns: int) -> tuple[tuple[float, int], ...]:
+    """``fit_rank_drift``'s fit of window variances ``measured`` ((window in bins,
+    variance)) of ``n`` ranks' series of ``m`` bins."""
     if len(measured) < 3 or min(v for _, v in measured) <= NO_DRIFT_VAR:
         return ()
     taus = [t for t in _TAUS if t <= m / MIN_WINDOWS]  # longer is the series' own mean
@@ -166,6 +171,32 @@ def fit_rank_drift(series: Sequence[Sequence[float]], bin_ns: int) -> tuple[tupl
                 best = (res, found)
     assert best is not None
     return best[1]
+
+
+# Two fits averaged (``mean_rank_drift``) are matched over calibrate's windows: 10 ms
+# bins over 16 s, two ranks.
+MEAN_BIN_NS = 10_000_000
+MEAN_SPAN_BINS = 1600
+
+
+def mean_rank_drift(a: Sequence[tuple[float, int]], b: Sequence[tuple[float, int]]) -> tuple[tuple[float, int], ...]:
+    """The drift between two fits' ((sd, correlation ns), ...: two calibrations around a
+    run): the fit (``fit_rank_drift``'s) of the mean of their expected window
+    variances over calibrate's windows. Averaging the components position by position
+    would blend one fit's fast component with the other's slow one where a second
+    component appeared or the two swapped roles; what each fit stands for is its window
+    variances. Equal fits are their own mean."""
+    if tuple(a) == tuple(b):
+        return tuple(a)
+    m, n = MEAN_SPAN_BINS, 2
+
+    def curve(comps: Sequence[tuple[float, int]]) -> list[float]:
+        in_bins = [(sd, corr / MEAN_BIN_NS) for sd, corr in comps if sd > 0 and corr > 0]
+        return [expected_window_var(w, m // w, n, in_bins, 0.0) for w in DRIFT_WINDOWS if m // w >= MIN_WINDOWS]
+
+    windows = [w for w in DRIFT_WINDOWS if m // w >= MIN_WINDOWS]
+    mean = [(w, (x + y) / 2) for w, x, y in zip(windows, curve(a), curve(b))]
+    return _fit_window_vars(mean, m, n, MEAN_BIN_NS)
 
 
 def fit_rank_stalls(times_ns: Sequence[float]) -> tuple[float, list[float]]:

@@ -149,6 +149,11 @@ class HardwareProfile:
     unmap_ns_per_byte: float = 0.0
     # the executor's loop per host op, by kind (work, sync, alloc, free; absent: 0)
     executor_host_op_ns: tuple[tuple[str, int], ...] = ()
+    # CPUs: the Python after a kernel that ran on the host thread, over its time after a
+    # tiny one (the interpreter's caches refill): (bytes moved, ns) of memory-bound
+    # kernels and copies, (flops, ns) of GEMMs (runtime.executor_loop; absent: 0)
+    python_after_memory_points: tuple[tuple[float, float], ...] = ()
+    python_after_gemm_points: tuple[tuple[float, float], ...] = ()
     # a virtual machine that reports free memory to its hypervisor: its reporting period
     # and what a reported page's first write costs over a fast one, per byte (calibrate,
     # where the guest reports; 0: not measured, no page is priced as reported)
@@ -240,12 +245,29 @@ class HardwareProfile:
         """The executor's loop per host op, by kind (``executor_host_op_ns``)."""
         return dict(self.executor_host_op_ns)
 
+    def python_after_kernel_ns(self, op: O.Compute | O.Copy) -> int:
+        """What the host's next Python pays after ``op`` ran on the host thread (CPUs),
+        by the bytes a memory-bound kernel or copy moved or a GEMM's flops: piecewise
+        between calibrate's points, from 0 below the first, the largest beyond the last
+        (the caches are all taken). 0 where kernels are queued on a device."""
+        if isinstance(op, O.Compute) and op.gemm is not None and op.kind in (O.ComputeKind.GEMM,
+                                                                             O.ComputeKind.ATTENTION):
+            pts, x = self.python_after_gemm_points, float(op.flops)
+        else:
+            pts = self.python_after_memory_points
+            x = float(op.bytes_read + op.bytes_written) if isinstance(op, O.Compute) else 2.0 * op.size_bytes
+        if not pts or not self.platform.inline_kernels:
+            return 0
+        if x >= pts[-1][0]:
+            return int(pts[-1][1])
+        return max(0, int(piecewise(((0.0, 0.0),) + pts if x < pts[0][0] else pts, x)))
+
     def host_unmap_ns(self, nbytes: int) -> int:
         """Handing ``nbytes`` of written host pages back to the OS at a free (munmap of
         a block above glibc's mmap threshold, or a trim of the heap's top): the kernel
-        tears each page down, 4.3 ms for a written 64 MiB tensor on the reference VM
-        (calibrate's ``first_touch`` times it). 0 with a caching allocator (a cached
-        block is not unmapped) or where the profile predates the figure."""
+        tears each written page down (calibrate's ``first_touch`` times it). 0 with a
+        caching allocator (a cached block is not unmapped) or where the profile
+        predates the figure."""
         if self.caching_allocator:
             return 0
         return int(self.unmap_ns_per_byte * nbytes)

@@ -20,6 +20,7 @@ Format (JSON), schema version 2::
      "comm_latency_slowdown_during_compute": 3,  # and their fixed latency (optional)
      "issue_ns": 20000,                 # host time to issue one device op (optional)
      "executor_host_op_ns": {"work": 2500, "sync": 2500, "alloc": 2500, "free": 800},  # optional: see below
+     "python_after_kernel": {"memory": [[bytes, ns], ...], "gemm": [[flops, ns], ...]},  # CPUs (optional): see below
      "cache": {"bytes": 33554432, "bytes_per_s": 6e10,  # CPU backends (optional): see below
                "python_cold_factor": 1.9},
      "cpu_cores": 2, "time_slice_ns": 4000000,  # CPU backends (optional): see below
@@ -63,6 +64,10 @@ the free; profiles without it counted that in ``first_touch_ns_per_byte``.
 op is recorded (``runtime.executor_loop``): per device op, and per host op by kind
 (host work, host sync, allocation, free). Only a prediction for ``commsim execute``
 pays them; a framework's loop is its schedule's host ops.
+``python_after_kernel`` (optional, CPUs): what the Python after a kernel that ran on the
+host thread pays over its time after a tiny one, by the bytes a memory-bound kernel or
+copy moved and a GEMM's flops: the kernel's data took the caches the interpreter's own
+code and data were in. The executor's loop and a framework's next host op pay it alike.
 
 ``cache``: the last-level cache's size and the memory-bound kernel's rate on data in
 it. A compute op's ``reuse_bytes`` (bytes the ops just before it touched) are priced
@@ -104,6 +109,7 @@ from typing import Any
 from commsim.hardware.framework_kernels import framework_kernels_from_dict
 from commsim.hardware.profile import PLACEMENTS, PROFILE_SCHEMA_VERSION, CollectiveFit, HardwareProfile
 from commsim.ir import ops as O
+from commsim.hardware.noise import mean_rank_drift
 from commsim.ir.errors import CommsimInputError
 from commsim.util.files import read_json
 
@@ -116,10 +122,10 @@ def _num(obj: dict[str, Any], key: str, where: str, positive: bool = True) -> fl
     return float(v)
 
 
-def _points(pts: Any, where: str) -> tuple[tuple[float, float], ...]:
+def _points(pts: Any, where: str, what: str = "[bytes, seconds]") -> tuple[tuple[float, float], ...]:
     if not isinstance(pts, list) or not all(
             isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x >= 0 for x in p) for p in pts):
-        raise CommsimInputError(f"{where} must be a list of [bytes, seconds] pairs")
+        raise CommsimInputError(f"{where} must be a list of {what} pairs")
     return tuple(sorted((float(a), float(b)) for a, b in pts))
 
 
@@ -190,6 +196,7 @@ def profile_from_dict(obj: Any, where: str, precision: str | None = None) -> Har
         if "comm_latency_slowdown_during_compute" in obj else 1.0,
         issue_ns=int(_num(obj, "issue_ns", where, positive=False)) if "issue_ns" in obj else 0,
         executor_host_op_ns=_host_op_ns(obj.get("executor_host_op_ns"), f"{where}: executor_host_op_ns"),
+        **_python_after_kernel(obj.get("python_after_kernel"), f"{where}: python_after_kernel"),
         caching_allocator=bool(obj.get("caching_allocator", obj.get("backend") == "nccl")),
         malloc_base_ns=int(_num(alloc, "malloc_base_ns", f"{where}: alloc", positive=False)),
         malloc_ns_per_byte=_num(alloc, "malloc_ns_per_byte", f"{where}: alloc", positive=False),
@@ -288,6 +295,16 @@ def _host_op_ns(loop: Any, where: str) -> tuple[tuple[str, int], ...]:
     return tuple((k, int(_num(loop, k, where, positive=False))) for k in HOST_OP_KINDS if k in loop)
 
 
+def _python_after_kernel(doc: Any, where: str) -> dict[str, Any]:
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict) or set(doc) - {"memory", "gemm"}:
+        raise CommsimInputError(f"{where}: must be an object with \"memory\" ([bytes, ns] pairs) and \"gemm\" "
+                                "([flops, ns] pairs)")
+    return {"python_after_memory_points": _points(doc.get("memory", []), f"{where}.memory", "[bytes, ns]"),
+            "python_after_gemm_points": _points(doc.get("gemm", []), f"{where}.gemm", "[flops, ns]")}
+
+
 def _rank_stalls(stalls: Any, where: str) -> dict[str, Any]:
     if stalls is None:
         return {}
@@ -330,6 +347,21 @@ def load_profile(path: str | Path, precision: str | None = None) -> HardwareProf
 MET_ONLY = frozenset({"page_report_period_ns", "reported_page_extra_ns_per_byte"})
 
 
+def _mean_field(key: str, a: Any, b: Any, where: str) -> Any:
+    """One field of ``mean_profile``: the ranks' drift by its window variances
+    (``noise.mean_rank_drift``), anything else number by number."""
+    if key == "rank_noise" and isinstance(a, dict) and isinstance(b, dict):
+        fits = []
+        for doc in (a, b):
+            parsed = _rank_noise(doc, where)
+            fits.append([(parsed.get("rank_noise_sd", 0.0), parsed.get("rank_noise_corr_ns", 0)),
+                         (parsed.get("rank_noise_slow_sd", 0.0), parsed.get("rank_noise_slow_corr_ns", 0))])
+        comps = [c for c in mean_rank_drift(*[[c for c in f if c[0] > 0] for f in fits])]
+        (sd, corr), (slow_sd, slow_corr) = (comps + [(0.0, 0), (0.0, 0)])[:2]
+        return {"sd": sd, "corr_ns": corr, "slow_sd": slow_sd, "slow_corr_ns": slow_corr}
+    return mean_profile(a, b, where)
+
+
 def mean_profile(a: Any, b: Any, where: str = "profile") -> Any:
     """The mean of two profile documents from the same calibration command (say, one
     taken right before a run and one right after, on a machine whose speed drifts):
@@ -348,7 +380,7 @@ def mean_profile(a: Any, b: Any, where: str = "profile") -> Any:
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [mean_profile(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))]
     if isinstance(a, dict) and isinstance(b, dict) and not (a.keys() ^ b.keys()) - MET_ONLY:
-        return {k: mean_profile(a[k], b[k], f"{where}.{k}") if k in b else a[k] for k in a} | \
+        return {k: _mean_field(k, a[k], b[k], f"{where}.{k}") if k in b else a[k] for k in a} | \
             {k: b[k] for k in b.keys() - a.keys()}
     raise CommsimInputError(f"{where}: the two profiles differ in structure here; "
                             "average profiles of one calibration command")

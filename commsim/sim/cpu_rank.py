@@ -99,6 +99,7 @@ class CpuRank(RankSim):
         yield from self._host_waits(op.deps + ((self._last_id[op.stream],) if prev is not None else ()))
         start = env.now
         yield from self.kernel(op)
+        self.python_after_ns = self.cost.python_after_kernel_ns(op)  # the host's next Python runs cold
         done = env.event()
         self.done[op.id] = done
         self._issued(op, done)

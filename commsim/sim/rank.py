@@ -86,6 +86,7 @@ class RankSim(RankMemory, RankSpeed):
         # host time owed to collective calls that hold the calling thread (CPU backends):
         # paid before the host's next op, or absorbed by a wait it was blocked in anyway
         self.host_debt_ns = 0
+        self.python_after_ns = 0  # CPUs: the host's next Python after a kernel, cold (cpu_rank)
         self.stream_comm = sim.stream_comm(self.program)
         # host-time jitter: drawn per op in per-rank mode; in symmetric mode the expected
         # lateness of a collective's slowest member (lateness.py)
@@ -153,6 +154,9 @@ class RankSim(RankMemory, RankSpeed):
                 self.result.host_blocks.append(HostBlock(t, t + self.host_debt_ns, "collective_call"))
                 host_t = t + self.host_debt_ns
                 self.host_debt_ns = 0
+            if self.python_after_ns:  # the kernel before took the interpreter's caches
+                host_t = max(host_t, env.now) + self.python_after_ns
+                self.python_after_ns = 0
             if issue_ns and isinstance(op, O.DEVICE_OP_TYPES):
                 host_t += issue_ns  # the host's own cost of handing the op to its stream
             elif loop_ns:

@@ -419,3 +419,38 @@ def test_a_frameworks_allocations_cost_only_fresh_pages(tmp_path):
     path.write_text(json.dumps({**PROFILE, "alloc": {**PROFILE["alloc"], "points": points}}))
     assert load_profile(path).run_by_framework().fresh_page_ns_per_byte() == pytest.approx(4e-2 / (64 << 20) * 1e9)
     assert SpecCostModel(cluster_preset("p4d", 2)).fresh_page_ns_per_byte() is None
+
+
+def test_the_python_after_a_kernel(tmp_path):
+    """CPU profiles: what the host's next Python pays after a kernel, by the bytes a
+    memory-bound kernel or copy moved and a GEMM's flops; nothing where kernels are queued."""
+    path = tmp_path / "p.json"
+    doc = {**PROFILE, "backend": "gloo", "cpu_cores": 2,
+           "python_after_kernel": {"memory": [[128, 0], [1 << 20, 3000], [64 << 20, 60000]],
+                                   "gemm": [[1e8, 4000], [2e9, 80000]]},
+           "executor_host_op_ns": {"work": 2700, "free": 400}}
+    path.write_text(json.dumps(doc))
+    p = load_profile(path)
+
+    def mem(nbytes):
+        return O.Compute(O.OpId(1), "c", "", O.ComputeKind.ELEMENTWISE, 0, nbytes // 2, nbytes // 2)
+
+    def gemm(side):
+        return O.Compute(O.OpId(1), "c", "", O.ComputeKind.GEMM, 2 * side ** 3, 0, 0, O.GemmShape(side, side, side))
+
+    assert [p.python_after_kernel_ns(mem(n)) for n in (64, 1 << 20, 1 << 30)] == [0, 3000, 60000]
+    assert p.python_after_kernel_ns(O.Copy(O.OpId(1), "c", "", O.CopyDirection.D2D, 1 << 19)) == 3000  # 2x its bytes
+    assert p.python_after_kernel_ns(gemm(200)) == 640  # below the first point: from 0 (1.6e7 flops)
+    assert p.python_after_kernel_ns(gemm(2000)) == 80000  # past the last: all the caches
+    assert p.host_op_ns() == {"work": 2700, "free": 400}
+    assert p.run_by_framework().host_op_ns() == {}  # the executor's loop only
+    assert p.run_by_framework().python_after_kernel_ns(mem(1 << 20)) == 3000  # the interpreter's, any runner
+    path.write_text(json.dumps({**doc, "backend": "nccl"}))
+    assert load_profile(path).python_after_kernel_ns(mem(1 << 20)) == 0
+    path.write_text(json.dumps({**doc, "python_after_kernel": {"memory": [[1, 2, 3]]}}))
+    with pytest.raises(CommsimInputError, match=r"p.json: python_after_kernel.memory must be a list of \[bytes, ns\]"):
+        load_profile(path)
+    path.write_text(json.dumps({**doc, "executor_host_op_ns": {"launch": 1}}))
+    with pytest.raises(CommsimInputError, match=r"p.json: executor_host_op_ns: must be an object with fields among "
+                                                r"work, sync, alloc, free"):
+        load_profile(path)

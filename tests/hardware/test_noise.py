@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from commsim.hardware.noise import (STALL_SLICES, expected_window_var, fit_rank_drift, fit_rank_stalls, ou_window_var,
-                                   pool_rank_stalls, window_variances)
+from commsim.hardware.noise import (STALL_SLICES, expected_window_var, fit_rank_drift, fit_rank_stalls,
+                                   mean_rank_drift, ou_window_var, pool_rank_stalls, window_variances)
 
 BIN_NS = 10_000_000
 
@@ -100,3 +100,38 @@ def test_ranks_stalls_pooled():
     assert pool_rank_stalls([a, b]) == (200.0, [2.0] * STALL_SLICES)
     assert pool_rank_stalls([a, (0.0, [])]) == (50.0, [1.0] * STALL_SLICES)  # the rate over every rank
     assert pool_rank_stalls([(0.0, []), (0.0, [])]) == (0.0, [])
+
+
+def test_two_fits_average_by_their_window_variances():
+    """Two calibrations around a run: one found a fast component only, the other a fast
+    and a slow one. Their mean has the mean window variances, within the fit's grid;
+    averaging the components position by position would pair the first's fast
+    component with the second's slow one."""
+    a = ((0.10, 30_000_000),)
+    b = ((0.05, 30_000_000), (0.08, 400_000_000))
+    m = mean_rank_drift(a, b)
+    assert mean_rank_drift(a, a) == a and mean_rank_drift((), ()) == ()
+
+    def window_sd(comps, window_ns):
+        return math.sqrt(sum(ou_window_var(sd, corr, window_ns) for sd, corr in comps))
+
+    for window_ns in (10e6, 100e6, 1e9, 4e9):
+        want = math.sqrt((window_sd(a, window_ns) ** 2 + window_sd(b, window_ns) ** 2) / 2)
+        assert window_sd(m, window_ns) == pytest.approx(want, rel=0.05)
+    positional = ((0.075, 30_000_000), (0.04, 200_000_000))  # what a field-by-field mean gave
+    assert window_sd(positional, 1e9) < 0.8 * window_sd(m, 1e9)
+    # one calibration found no drift: half the other's variance
+    half = mean_rank_drift(a, ())
+    assert window_sd(half, 100e6) == pytest.approx(window_sd(a, 100e6) / math.sqrt(2), rel=0.05)
+
+
+def test_a_mean_profile_refits_the_drift():
+    from commsim.hardware.profile_doc import mean_profile
+    from tests.hardware.test_costs import PROFILE
+
+    before = {**PROFILE, "rank_noise": {"sd": 0.10, "corr_ns": 30_000_000, "slow_sd": 0.0, "slow_corr_ns": 0}}
+    after = {**PROFILE, "rank_noise": {"sd": 0.05, "corr_ns": 30_000_000, "slow_sd": 0.08, "slow_corr_ns": 400_000_000}}
+    noise = mean_profile(before, after)["rank_noise"]
+    fit = mean_rank_drift(((0.10, 30_000_000),), ((0.05, 30_000_000), (0.08, 400_000_000)))
+    assert [(noise["sd"], noise["corr_ns"]), (noise["slow_sd"], noise["slow_corr_ns"])][:len(fit)] == list(fit)
+    assert mean_profile(before, before)["rank_noise"] == before["rank_noise"]

@@ -154,7 +154,9 @@ def test_the_profile_document_follows_the_platform():
                  mem_latency_s=2e-6, mem_bytes_per_s=1e10, mem_points=[[4096, 2e-6]], collectives={},
                  comm_slowdown=1.5, comm_slowdown_during_compute=1.2, comm_latency_slowdown_during_compute=2.0,
                  issue_ns=1000, inline_kernel_ns=3000,
-                 host_op_ns={"work": 2000, "sync": 2500, "alloc": 2000, "free": 900}, alloc_latency_s=1e-6, alloc_s_per_byte=1e-10,
+                 host_op_ns={"work": 2000, "sync": 2500, "alloc": 2000, "free": 900},
+                 cold_points={"memory": [[0, 0.0], [1 << 26, 60000.0]], "gemm": [[2e9, 80000.0]]},
+                 alloc_latency_s=1e-6, alloc_s_per_byte=1e-10,
                  alloc_points=[[4096, 1e-6]], first_touch_s_per_byte=2e-10, unmap_s_per_byte=6e-11, cpu_cores=2, time_slice_ns=4_000_000,
                  rank_noise={"sd": 0.05, "corr_ns": 1e8}, cache={"bytes": 1 << 25, "bytes_per_s": 6e10},
                  rank_stalls={"rate_per_s": 30.0, "lengths_ns": [1000, 2000]})
@@ -166,6 +168,8 @@ def test_the_profile_document_follows_the_platform():
     assert (cpu["cpu_cores"], cpu["time_slice_ns"], cpu["rank_noise"]) == (2, 4_000_000, m.rank_noise)
     assert profile_from_dict(cpu, "cpu").platform.stalls.rate_per_s == 30.0
     assert cpu["kernel_overhead_ns"] == 3000 and cpu["alloc"]["first_touch_ns_per_byte"] == 0.2
+    assert profile_from_dict(cpu, "cpu").python_after_kernel_ns(
+        O.Compute(O.OpId(1), "c", "", O.ComputeKind.ELEMENTWISE, 0, 1 << 24, 1 << 24)) == 30000  # halfway
     assert cpu["alloc"]["unmap_ns_per_byte"] == 0.06 and profile_from_dict(cpu, "cpu").host_unmap_ns(1 << 20) == 62914
     assert cpu["description"].startswith("4 ranks (4 per node, 1 node), gloo, ")
     assert (cpu["backend"], cpu["world_size"], cpu["ranks_per_node"], cpu["nodes"], cpu["timing"]) == \

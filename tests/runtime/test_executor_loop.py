@@ -7,7 +7,8 @@ from commsim.hardware.platform import CPU
 from commsim.ir import ops as O
 from commsim.ir.trace import TraceRecord
 from commsim.sim.engine import SimConfig, Simulator
-from runtime.executor_loop import loop_costs, loop_schedule
+from commsim.ir.schedule import Program, Schedule
+from runtime.executor_loop import COLD_GEMM_SIDES, COLD_MEMORY_BYTES, cold_points, loop_costs, loop_schedule
 from tests.sim.fixed_costs import FixedCosts
 
 
@@ -62,3 +63,52 @@ def test_a_simulated_loop_schedule_gives_back_the_measured_step():
     assert [b - a for a, b in zip(works, works[1:])] == [2500] * 4
     allocs = [starts[O.OpId(i)] for i in range(16, 26, 2)]
     assert [b - a for a, b in zip(allocs, allocs[1:])] == [costs.malloc_base_ns + 400 + 2500] * 4
+
+
+def _cold_records(gap_after: dict[str, int]) -> list[TraceRecord]:
+    """A CPU rank's records of the COLD blocks: each kernel, then the host work after it,
+    ``gap_after[label]`` later."""
+    sched = loop_schedule(1, 1, cold_reps=3)
+    out, t = [], 0
+    prev = None
+    for op in sched.program_of(0).step:
+        if not op.label.startswith(("cold ", "after cold ")):
+            continue
+        if isinstance(op, O.Compute):
+            out.append(TraceRecord(0, "compute", int(op.id), op.kind.value, op.label, t, t + 50_000))
+            t += 50_000 + gap_after[op.label]
+        else:
+            out.append(TraceRecord(0, "host", int(op.id), "host_python", op.label, t, t + 100))
+            t += 100 + 3000
+        prev = op
+    assert prev is not None
+    return out
+
+
+def test_the_python_after_a_kernel_is_read_over_the_one_after_the_smallest():
+    gaps = {f"cold memory {nb}": 6000 + i * 20_000 for i, nb in enumerate(COLD_MEMORY_BYTES)}
+    gaps |= {f"cold gemm {m}": 10_000 + i * 30_000 for i, m in enumerate(COLD_GEMM_SIDES)}
+    pts = cold_points(_cold_records(gaps))
+    assert pts["memory"] == [[float(nb), i * 20_000.0] for i, nb in enumerate(COLD_MEMORY_BYTES)]
+    assert pts["gemm"] == [[2.0 * m ** 3, 4000.0 + i * 30_000] for i, m in enumerate(COLD_GEMM_SIDES)]
+    # the blocks are left out of the loop's own figures, and a GPU's records give none
+    recs = _records(4800, 7000, {"work": 2500, "sync": 2700, "free": 400}) + _cold_records(gaps)
+    assert loop_costs(recs, inline_kernels=True).cold_points == pts
+    assert loop_costs(recs, inline_kernels=True).issue_ns == 7000
+    assert loop_costs(recs, inline_kernels=False).cold_points == {}
+
+
+def test_the_host_pays_the_python_after_a_kernel_before_its_next_op():
+    costs = FixedCosts()
+    costs.platform = CPU
+    ops = (O.Compute(O.OpId(1), "compute", "k", O.ComputeKind.ELEMENTWISE, 1000, 0, 0),
+           O.HostWork(O.OpId(2), "after", O.HostKind.PYTHON, 500),
+           O.HostWork(O.OpId(3), "then", O.HostKind.PYTHON, 500))
+
+    def starts(after_ns):
+        costs.after_kernel_ns = after_ns
+        res = Simulator(Schedule.uniform(1, Program((), ops)), costs, SimConfig(jitter=0.0, keep_trace=True)).run()
+        return {int(r.op.id): r.start_ns for r in res.ranks[0].records}
+
+    plain, cold = starts(0), starts(40_000)
+    assert (cold[2] - plain[2], cold[3] - plain[3]) == (40_000, 40_000)  # once, after the kernel

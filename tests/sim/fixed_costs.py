@@ -21,6 +21,7 @@ class FixedCosts:
     reported = None
     unmap_ns_per_byte = 0.0
     loop_ns: dict = {}
+    after_kernel_ns = 0
 
     def __init__(self, hbm_bytes: int = 1 << 40, gpus_per_node: int = 1, link_bytes_per_s: float = 1e9,
                  latency_ns: int = 0):
@@ -46,6 +47,9 @@ class FixedCosts:
 
     def reported_pages(self):
         return self.reported  # (period ns, extra ns a byte) a test sets, else None
+
+    def python_after_kernel_ns(self, op):
+        return self.after_kernel_ns  # 0 unless a test sets it
 
     def host_op_ns(self):
         return dict(self.loop_ns)  # the executor's loop per host op, if a test sets it
