@@ -21,7 +21,7 @@ import torch.distributed as dist
 from runtime.calibrate_cpu import cpu_cores
 from runtime.calibrate_profile import host_memory
 from runtime.executor import RankExecutor, RankOptions
-from runtime.executor_loop import COLD_REPS, HOST_OP_KINDS, LoopCosts, loop_costs, loop_schedule
+from runtime.executor_loop import COLD_REPS, HOST_OP_KINDS, RECORD_KINDS, LoopCosts, loop_costs, loop_schedule
 from runtime.page_reporting import balloon_reports, reported_extra, reported_met, reporting_period_s
 from runtime.timing import HOST_MAX_CALLS, HostTimer, latency_bandwidth, per_call
 
@@ -70,14 +70,15 @@ class HostMeasurements:
         run = RankExecutor(sched, self.rank, self.backend, RankOptions(steps=3, warmup=1)).run()
         costs = [loop_costs([r for r in run.records if r.step == s], inline) for s in range(3)]
         mine = [statistics.median(getattr(c, f) for c in costs) for f in ("issue_ns", "kernel_ns")]
-        mine += [statistics.median(c.host_op_ns[k] for c in costs) for k in HOST_OP_KINDS]
+        kinds = HOST_OP_KINDS + RECORD_KINDS
+        mine += [statistics.median(c.host_op_ns[k] for c in costs) for k in kinds]
         cold_keys = [(cls, i) for cls, pts in costs[0].cold_points.items() for i in range(len(pts))]
         mine += [statistics.median(c.cold_points[cls][i][1] for c in costs) for cls, i in cold_keys]
         mean = self.mean_of_ranks([float(x) for x in mine])  # a rank's own: see _together
         cold = {cls: [[x, 0.0] for x, _ in pts] for cls, pts in costs[0].cold_points.items()}
-        for (cls, i), v in zip(cold_keys, mean[2 + len(HOST_OP_KINDS):]):
+        for (cls, i), v in zip(cold_keys, mean[2 + len(kinds):]):
             cold[cls][i][1] = v
-        out = LoopCosts(int(mean[0]), int(mean[1]), {k: int(v) for k, v in zip(HOST_OP_KINDS, mean[2:])}, cold)
+        out = LoopCosts(int(mean[0]), int(mean[1]), {k: int(v) for k, v in zip(kinds, mean[2:])}, cold)
         self.log(f"executor: host issue {out.issue_ns / 1e3:.1f} us per device op"
                  + (f", a tiny kernel {out.kernel_ns / 1e3:.1f} us" if out.kernel_ns else "")
                  + "; per host op " + ", ".join(f"{k} {v / 1e3:.1f} us" for k, v in out.host_op_ns.items()))

@@ -16,7 +16,9 @@ are per kind:
   issues, the gap between consecutive starts (the host's issue rate);
 * host ops: the gap after each host work of no duration, host sync with nothing to wait
   for, and allocation; a free is not recorded, so its whole cost is the gap an
-  allocate-free pair leaves beyond the allocation's.
+  allocate-free pair leaves beyond the allocation's. And the records of a host work of
+  no duration and of a sync with nothing to wait for: their own calls (the spin's, the
+  events') inside the record.
 
 Where kernels run on the host thread (CPUs), the Python that follows a kernel runs slower
 the more of the caches the kernel's data took: the interpreter's own code and data come
@@ -46,6 +48,8 @@ from commsim.ir.trace import TraceRecord
 # ops per block: enough gaps for a stable median, few enough to keep calibration short
 OPS_PER_BLOCK = 300
 HOST_OP_KINDS = ("work", "sync", "alloc", "free")
+# and what a host work of no duration and a sync with nothing to wait for record
+RECORD_KINDS = ("work_record", "sync_record")
 # the kernels whose following Python is timed (CPUs): memory-bound ones by the bytes
 # they move (the first is the warm reference), square fp32 GEMMs by their side
 COLD_MEMORY_BYTES = (128, 1 << 20, 8 << 20, 64 << 20)
@@ -57,7 +61,9 @@ COLD_REPS = 24  # each kernel, each followed by a host work of no duration
 class LoopCosts:
     issue_ns: int  # host time between device ops beyond their records
     kernel_ns: int  # CPUs: the tiny kernel's recorded time (its fixed cost); GPUs: 0
-    host_op_ns: dict[str, int]  # HOST_OP_KINDS -> the loop's time per host op beyond its record
+    # HOST_OP_KINDS -> the loop's time per host op beyond its record; RECORD_KINDS -> the
+    # time inside the record of a host work (beyond its duration) and of a sync
+    host_op_ns: dict[str, int]
     # CPUs: the Python after a kernel, over its time after a tiny one: (bytes moved, ns)
     # of memory-bound kernels and (flops, ns) of GEMMs; empty where kernels are queued
     cold_points: dict[str, list[list[float]]]
@@ -113,15 +119,20 @@ def loop_costs(records: list[TraceRecord], inline_kernels: bool) -> LoopCosts:
         gaps = _gaps(recs, start_to_start)
         return max(0, int(statistics.fmean(gaps))) if gaps else 0
 
+    def mean_duration(recs: list[TraceRecord]) -> int:
+        return int(statistics.fmean(r.duration_ns for r in recs)) if recs else 0
+
     if inline_kernels:
         issue = mean_gap(kernels)
         kernel = int(statistics.fmean(r.duration_ns for r in kernels))
     else:
         issue, kernel = mean_gap(kernels, start_to_start=True), 0
-    work = mean_gap(by_kind.get("host_" + O.HostKind.PYTHON.value, []))
-    sync = mean_gap(by_kind.get("sync_" + O.SyncScope.DEVICE.value, []))
+    works = by_kind.get("host_" + O.HostKind.PYTHON.value, [])
+    syncs = by_kind.get("sync_" + O.SyncScope.DEVICE.value, [])
+    work, sync = mean_gap(works), mean_gap(syncs)
     pair = mean_gap(by_kind.get("alloc", []))  # the allocation's loop and the whole free
-    host = {"work": work, "sync": sync, "alloc": work, "free": max(0, pair - work)}
+    host = {"work": work, "sync": sync, "alloc": work, "free": max(0, pair - work),
+            "work_record": mean_duration(works), "sync_record": mean_duration(syncs)}
     return LoopCosts(issue, kernel, host, cold_points(cold) if inline_kernels and cold else {})
 
 

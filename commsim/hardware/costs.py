@@ -70,7 +70,8 @@ class CostModel(Protocol):
     comm_slowdown_during_compute: float
     comm_latency_slowdown_during_compute: float
     issue_ns: int  # host time to hand one device op to its stream
-    # the executor's loop per host op, by kind ("work", "sync", "alloc", "free"; absent: 0)
+    # the executor's loop per host op, by kind ("work", "sync", "alloc", "free"; absent:
+    # 0), and inside a host work's and a sync's record ("work_record", "sync_record")
     def host_op_ns(self) -> dict[str, int]: ...
     # CPUs: what the host's next Python pays after a kernel ran on the host thread (its
     # data took the caches); 0 where kernels are queued on a device

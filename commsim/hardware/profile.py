@@ -147,7 +147,8 @@ class HardwareProfile:
     # per byte. Profiles older than that split: 0, their first touch includes the unmap.
     first_touch_ns_per_byte: float = 0.0
     unmap_ns_per_byte: float = 0.0
-    # the executor's loop per host op, by kind (work, sync, alloc, free; absent: 0)
+    # the executor's loop per host op, by kind (work, sync, alloc, free; absent: 0), and
+    # inside a host work's and a sync's record (work_record, sync_record)
     executor_host_op_ns: tuple[tuple[str, int], ...] = ()
     # CPUs: the Python after a kernel that ran on the host thread, over its time after a
     # tiny one (the interpreter's caches refill): (bytes moved, ns) of memory-bound

@@ -19,7 +19,8 @@ Format (JSON), schema version 2::
      "comm_slowdown_during_compute": 2, # and collectives this much slower during compute (optional)
      "comm_latency_slowdown_during_compute": 3,  # and their fixed latency (optional)
      "issue_ns": 20000,                 # host time to issue one device op (optional)
-     "executor_host_op_ns": {"work": 2500, "sync": 2500, "alloc": 2500, "free": 800},  # optional: see below
+     "executor_host_op_ns": {"work": 2500, "sync": 2500, "alloc": 2500, "free": 800,
+                             "work_record": 650, "sync_record": 1000},  # optional: see below
      "python_after_kernel": {"memory": [[bytes, ns], ...], "gemm": [[flops, ns], ...]},  # CPUs (optional): see below
      "cache": {"bytes": 33554432, "bytes_per_s": 6e10,  # CPU backends (optional): see below
                "python_cold_factor": 1.9},
@@ -62,8 +63,9 @@ the free; profiles without it counted that in ``first_touch_ns_per_byte``.
 
 ``issue_ns`` and ``executor_host_op_ns`` (optional): the executor's own loop, where no
 op is recorded (``runtime.executor_loop``): per device op, and per host op by kind
-(host work, host sync, allocation, free). Only a prediction for ``commsim execute``
-pays them; a framework's loop is its schedule's host ops.
+(host work, host sync, allocation, free), and what a host work's and a sync's records
+hold beyond the op (``work_record``, ``sync_record``). Only a prediction for ``commsim
+execute`` pays them; a framework's loop is its schedule's host ops.
 ``python_after_kernel`` (optional, CPUs): what the Python after a kernel that ran on the
 host thread pays over its time after a tiny one, by the bytes a memory-bound kernel or
 copy moved and a GEMM's flops: the kernel's data took the caches the interpreter's own
@@ -282,8 +284,9 @@ def _rank_noise(noise: Any, where: str) -> dict[str, Any]:
     return out
 
 
-# the executor's loop per host op, by the kind of op (runtime.executor_loop)
-HOST_OP_KINDS = ("work", "sync", "alloc", "free")
+# the executor's loop per host op, by the kind of op, and inside a host work's and a
+# sync's record (runtime.executor_loop)
+HOST_OP_KINDS = ("work", "sync", "alloc", "free", "work_record", "sync_record")
 
 
 def _host_op_ns(loop: Any, where: str) -> tuple[tuple[str, int], ...]:

@@ -148,6 +148,8 @@ class RankSim(RankMemory, RankSpeed):
         # the executor's loop per host op, where it measured one (runtime.executor_loop)
         loop_ns = {O.HostWork: loop.get("work", 0), O.HostSync: loop.get("sync", 0),
                    O.Alloc: loop.get("alloc", 0), O.Free: loop.get("free", 0)} if loop else {}
+        # and inside a host work's or a sync's record (its own calls around the op)
+        work_rec, sync_rec = loop.get("work_record", 0), loop.get("sync_record", 0)
         for op in self.program.step:
             if self.host_debt_ns:
                 t = max(host_t, env.now)
@@ -162,7 +164,7 @@ class RankSim(RankMemory, RankSpeed):
             elif loop_ns:
                 host_t += loop_ns.get(type(op), 0)  # the executor's bookkeeping around a host op
             if isinstance(op, O.HostWork):
-                dur = self._host_ns(self._warmth_ns(op))
+                dur = self._host_ns(self._warmth_ns(op)) + work_rec
                 if self.cpu is not None:  # the host thread needs a core for it
                     yield from self._spend(host_t - env.now)
                     t0 = env.now
@@ -188,7 +190,9 @@ class RankSim(RankMemory, RankSpeed):
                     # calls made while the host waited ran in the wait
                     self.host_debt_ns = max(0, self.host_debt_ns - (env.now - t0))
                 if rec:
-                    self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
+                    self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now + sync_rec))
+                host_t = env.now + sync_rec
+                continue
             elif isinstance(op, O.Alloc):
                 yield from self._malloc(op)
                 if rec:

@@ -36,7 +36,8 @@ def test_each_kind_of_op_gets_the_gap_the_loop_leaves_after_it():
     gaps = {"work": 2500, "sync": 2700, "free": 400}
     c = loop_costs(_records(4800, 7000, gaps), inline_kernels=True)
     assert (c.issue_ns, c.kernel_ns) == (7000, 4800)
-    assert c.host_op_ns == {"work": 2500, "sync": 2700, "alloc": 2500, "free": 400}
+    assert c.host_op_ns == {"work": 2500, "sync": 2700, "alloc": 2500, "free": 400,
+                            "work_record": 100, "sync_record": 300}
 
 
 def test_on_gpus_the_issue_rate_is_start_to_start_and_the_kernel_is_the_devices():
@@ -60,7 +61,10 @@ def test_a_simulated_loop_schedule_gives_back_the_measured_step():
     kernels = [starts[O.OpId(i)] for i in range(1, 6)]
     assert [b - a for a, b in zip(kernels, kernels[1:])] == [c.issue_ns] * 4
     works = [starts[O.OpId(i)] for i in range(6, 11)]
-    assert [b - a for a, b in zip(works, works[1:])] == [2500] * 4
+    assert [b - a for a, b in zip(works, works[1:])] == [100 + 2500] * 4  # its record, then the gap
+    syncs = [r for r in res.ranks[0].records if 11 <= r.op.id <= 15]
+    assert [r.end_ns - r.start_ns for r in syncs] == [300] * 5
+    assert [b.start_ns - a.end_ns for a, b in zip(syncs, syncs[1:])] == [2700] * 4
     allocs = [starts[O.OpId(i)] for i in range(16, 26, 2)]
     assert [b - a for a, b in zip(allocs, allocs[1:])] == [costs.malloc_base_ns + 400 + 2500] * 4
 
