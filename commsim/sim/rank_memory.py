@@ -84,7 +84,7 @@ class RankMemory:
             # a framework's torch.empty: only the first write of fresh pages costs; glibc's
             # heap (or its fixed ceiling alone) says which they are; the rank's thread at
             # work (its stalls too)
-            unmapped = self._replace_kept(op)
+            unmapped, kept = self._replace_kept(op)
             if self.heap is None:
                 fresh = mapped_fresh_bytes(op.size_bytes, op.touch_bytes)
                 self._note_mapped(op, fresh)
@@ -96,15 +96,17 @@ class RankMemory:
             pages = self.result.fresh_page_bytes
             pages[op.phase.value] = pages.get(op.phase.value, 0) + fresh
             extra = self._reported_ns(op)
+            self._return_kept(kept)
             ns = int(self.fresh_ns_per_byte * fresh) + extra + cost.host_unmap_ns(unmapped)
             yield from self._on_core(self._stalled(ns))
         elif not platform.caching_allocator:
             # host malloc, every time (the block bookkeeping still gives peaks): priced by
             # size where the profile measured it (heap reuse vs fresh mmapped pages)
             # the rank's thread at work, so its stalls arrive during it too (RankStalls)
-            unmapped = self._replace_kept(op)
+            unmapped, kept = self._replace_kept(op)
             self._note_mapped(op, mapped_fresh_bytes(op.size_bytes, op.touch_bytes))
             extra = self._reported_ns(op)
+            self._return_kept(kept)
             ns = cost.host_malloc_ns(op.size_bytes, op.touch_bytes) + extra + cost.host_unmap_ns(unmapped)
             yield from self._on_core(self._stalled(ns))
         else:
@@ -115,15 +117,22 @@ class RankMemory:
         st = self.alloc.stats
         self.result.memory_samples.append((env.now, st.allocated_bytes, st.reserved_bytes))
 
-    def _replace_kept(self, op: O.Alloc) -> int:
+    def _replace_kept(self, op: O.Alloc) -> tuple[int, int]:
         """A step buffer the previous step kept (allocated again, never freed): its old
-        block goes now. Returns the written bytes that hands back to the OS."""
-        unmapped = self.mapped.pop(op.buffer, 0)
-        if unmapped and self.returned is not None:
-            self.returned.returned(self.env.now, unmapped)
+        block goes with this allocation. Returns the written bytes that hands back to
+        the OS, and those of its mmapped block (``_return_kept``)."""
+        kept = self.mapped.pop(op.buffer, 0)
+        unmapped = kept
         if self.heap is not None and op.buffer in self.heap_keys:
             unmapped = self.heap.free(self.heap_keys.pop(op.buffer))  # its mmapped bytes or a trim's
-        return unmapped
+        return unmapped, kept
+
+    def _return_kept(self, kept: int) -> None:
+        """The kept buffer's old mmapped block is unmapped once its replacement holds its
+        own pages (the new tensor is made before the old one is dropped): its pages go
+        back to the OS after the new block took its own."""
+        if kept and self.returned is not None:
+            self.returned.returned(self.env.now, kept)
 
     def _note_mapped(self, op: O.Alloc, written: int) -> None:
         """``op``'s block is mmapped with ``written`` bytes written (0: a heap block):

@@ -80,3 +80,14 @@ def test_a_caching_allocator_unmaps_nothing():
     costs.unmap_ns_per_byte = 0.0
     assert res.step_time_ns == Simulator(Schedule.uniform(1, Program((), tuple(ops))), costs,
                                          SimConfig(jitter=0.0)).run().step_time_ns
+
+
+def test_a_kept_buffers_old_pages_go_back_after_its_replacement_took_its_own():
+    """On a VM that reports free memory: the new block of a kept buffer is made before
+    the old one is dropped, so it cannot take the old block's pages."""
+    costs = FixedCosts()
+    costs.platform = CPU
+    costs.reported = (10_000_000, 1.0)
+    ops = (O.Alloc(O.OpId(1), "compute", "a", "a", 64 * MiB, phase=O.Phase.BACKWARD),)
+    res = Simulator(Schedule.uniform(1, Program((), ops)), costs, SimConfig(warmup_steps=1, jitter=0.0)).run()
+    assert res.ranks[0].reported_page_bytes == {"bwd": 64 * MiB}
