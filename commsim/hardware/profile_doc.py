@@ -359,7 +359,7 @@ def _mean_field(key: str, a: Any, b: Any, where: str) -> Any:
             parsed = _rank_noise(doc, where)
             fits.append([(parsed.get("rank_noise_sd", 0.0), parsed.get("rank_noise_corr_ns", 0)),
                          (parsed.get("rank_noise_slow_sd", 0.0), parsed.get("rank_noise_slow_corr_ns", 0))])
-        comps = [c for c in mean_rank_drift(*[[c for c in f if c[0] > 0] for f in fits])]
+        comps = list(mean_rank_drift(*[[c for c in f if c[0] > 0] for f in fits]))
         (sd, corr), (slow_sd, slow_corr) = (comps + [(0.0, 0), (0.0, 0)])[:2]
         return {"sd": sd, "corr_ns": corr, "slow_sd": slow_sd, "slow_corr_ns": slow_corr}
     return mean_profile(a, b, where)

@@ -198,7 +198,9 @@ class RankSim(RankMemory, RankSpeed):
                 if rec:
                     self.result.records.append(OpRecord(self.rank, HOST, op, t0, t0, env.now))
             elif isinstance(op, O.Free):
-                yield from self._free(op)
+                unmap_ns = self._free(op)
+                if unmap_ns:
+                    yield from self._on_core(self._stalled(unmap_ns))
             else:
                 yield from self.issue_device(op)
             host_t = env.now

@@ -168,13 +168,14 @@ class RankMemory:
             self.returned.returned(self.env.now, mapped_bytes)
         return unmapped
 
-    def _free(self, op: O.Free):
-        """Free a buffer; where that hands written pages back to the OS (munmap, a heap
-        trim), the host thread tears them down. A generator."""
+    def _free(self, op: O.Free) -> int:
+        """Free a buffer. Returns the host time (ns) its unmap costs where that hands
+        written pages back to the OS (munmap, a heap trim): the host thread tears them
+        down (the caller charges it, so that a free without one creates no generator)."""
         block = self.blocks.pop(op.buffer)
         home = self.block_stream.pop(op.buffer)
         key = self.heap_keys.pop(op.buffer, None) if self.heap is not None else None
-        mapped = self.mapped.pop(op.buffer, 0)
+        mapped = self.mapped.pop(op.buffer, 0) if self.mapped else 0
         # record_stream: the block returns once every other stream that used it has
         # passed this point (an event recorded on each at free time).
         evs = [self.last_issued[s] for s in self.buffer_streams.pop(op.buffer, ()) if s != home
@@ -197,7 +198,5 @@ class RankMemory:
             unmapped = self._release(block, key, mapped)
         st = self.alloc.stats
         self.result.memory_samples.append((self.env.now, st.allocated_bytes, st.reserved_bytes))
-        ns = self.cost.host_unmap_ns(unmapped) if unmapped else 0
-        if ns:
-            yield from self._on_core(self._stalled(ns))
+        return self.cost.host_unmap_ns(unmapped) if unmapped else 0
 
