@@ -68,8 +68,14 @@ def run_profile(work: Path, i: int, k: int) -> Path:
     mean = work / f"profile{i}.mean{tag}.json"
     if mean.exists():
         return mean
-    # --before-only or --calibrate-once: the calibration before the run
-    before = work / (f"profile{i}.json" if k == 0 else f"profile{i}.after{'' if k == 1 else f'.{k}'}.json")
+    # --before-only or --calibrate-once: the calibration before the run (interleaved runs
+    # have one of their own; otherwise it is the previous run's after)
+    if k == 0:
+        return work / f"profile{i}.json"
+    own = work / f"profile{i}.before{tag}.json"
+    if own.exists():
+        return own
+    before = work / f"profile{i}.after{'' if k == 1 else f'.{k}'}.json"
     return before if before.exists() else work / f"profile{i}.json"
 
 

@@ -19,7 +19,9 @@ Each row runs twice (``--repeats``), every run between calibrations of its own
 (calibrate, run, calibrate, run, calibrate): the row's error compares the mean
 prediction with the mean measurement, and every run's own error is printed beside it.
 Two pairs average the part of a machine's noise that changes within minutes; the part
-that changes over tens of minutes stays. Rows marked ``deepspeed`` run real DeepSpeed
+that changes over tens of minutes stays, unless ``--interleave`` runs every row once and
+then every row again, each run between two calibrations of its own (one more a row), so
+a row's two runs lie a whole pass apart. Rows marked ``deepspeed`` run real DeepSpeed
 (DS_ACCELERATOR=cpu, gloo) on the same model and config instead of our executor,
 timing its steps; their prediction uses host costs that calibrate measured from
 DeepSpeed itself (on a different, tiny model). Rows with FSDP2 settings (``fsdp``) run
@@ -62,7 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +84,28 @@ from machine_load import between, load_line, settle, snapshot  # noqa: E402
 from local_report import (DEEPSPEED_WARMUP, EXECUTOR_WARMUP, FSDP2_WARMUP, MANIFEST, MEASURED_STEPS,  # noqa: E402
                           fresh_pages, measured_phases, median_step_s, report_row, report_totals, reported_pages,
                           stored_step_s)
+
+
+@dataclass
+class RowState:
+    """One row's files and what its runs so far gave (mutable: filled run by run)."""
+    i: int
+    row: Row
+    cfg_path: Path
+    first: Path | None = None  # the calibration before the first run
+    after: Path | None = None  # the calibration after the latest run
+    sc: object = None
+    schedule: object = None
+    sched_path: Path | None = None
+    preds: list = field(default_factory=list)
+    meass: list = field(default_factory=list)
+    phase_runs: dict = field(default_factory=dict)  # phase -> (predicted, measured) per run
+    page_runs: dict = field(default_factory=dict)  # a framework's fresh pages, the same way
+    reported_runs: dict = field(default_factory=dict)  # the executor's reported pages (a VM)
+    op_pcts: list = field(default_factory=list)
+    run_loads: list = field(default_factory=list)  # the machine beside each run
+    cal_loads: list = field(default_factory=list)  # the machine beside each calibration
+    settles: list = field(default_factory=list)  # waits for the guest's page reporting
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: int = 1800) -> str:
@@ -154,6 +178,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, metavar="N",
                     help="run each row N times, each run between two calibrations of its own (calibrate, run, "
                          "calibrate, run, ..., calibrate), and compare the means (default 2; 1 with --quick)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run every row once, then every row again (each run between calibrations of its own: "
+                         "calibrate, run, calibrate), so a row's runs lie a whole pass apart; a row's error then "
+                         "does not rest on one stretch of the machine's state (one calibration more a row)")
     args = ap.parse_args()
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2
@@ -177,7 +205,7 @@ def main() -> None:
     # which row each numbered file belongs to, for bench/repredict_local.py
     (work / MANIFEST).write_text(json.dumps({"rows": [r.name for r in rows], "repeats": args.repeats,
                                              "calibrate_once": args.calibrate_once,
-                                             "before_only": args.before_only}, indent=1))
+                                             "before_only": args.before_only, "interleave": args.interleave}, indent=1))
     profiles: dict = {}
     t0 = time.time()
     # Each row's GEMM shapes, so calibration times the very kernels the rows will run
@@ -245,107 +273,136 @@ def main() -> None:
             return median_step_s(out)
         return measure_executor(row, sched_path, out, steps)
 
-    cal_loads: list = []  # the machine beside each calibration of the current row
-    settles: list[str] = []  # the current row's waits for the guest's page reporting
-
-    def settled(what: str) -> None:
+    def settled(state: RowState, what: str) -> None:
         """Let the guest report what the last run or calibration freed above what it keeps
         (machine_load.settle) before the next one measures."""
         if not args.no_settle:
             waited, mib = settle()
             if waited:
-                settles.append(f"{what} {waited:.0f} s/{mib:.0f} MiB")
+                state.settles.append(f"{what} {waited:.0f} s/{mib:.0f} MiB")
 
-    def calibrated(row: Row, i: int, name: str) -> Path:
-        path = work / f"profile{i}{name}.json"
-        settled("calibration")
+    def calibrated(state: RowState, name: str) -> Path:
+        path = work / f"profile{state.i}{name}.json"
+        settled(state, "calibration")
         before = snapshot()
-        calibrate(row_key(row), path, row_shapes[i])
-        cal_loads.append(between(before, snapshot()))
-        with_host_costs(row, path)
+        calibrate(row_key(state.row), path, row_shapes[state.i])
+        state.cal_loads.append(between(before, snapshot()))
+        with_host_costs(state.row, path)
         return path
+
+    def start_row(i: int, row: Row) -> RowState:
+        """The row's config, first calibration and schedule."""
+        cfg_path = work / f"{'fsdp' if row.fsdp is not None else 'ds'}{i}.json"
+        cfg_path.write_text(json.dumps(row_config(row)))
+        state = RowState(i, row, cfg_path)
+        if args.calibrate_once:  # a copy: a DeepSpeed row's host costs must not reach the next row
+            first = work / f"profile{i}.json"
+            shutil.copy(profiles[row_key(row)], first)
+            with_host_costs(row, first)
+        else:
+            first = calibrated(state, "")
+        state.first = first
+        # the executor's rows replay the schedule as a GPU runs it; DeepSpeed's and FSDP2's
+        # are the frameworks' own runs (their async_op=False collectives block the host)
+        runner = "framework" if row.runner == "deepspeed" or row.fsdp is not None else "executor"
+        state.sc = scenario(row, str(cfg_path), hw_profile=str(first), runner=runner)
+        state.schedule = build_schedule(state.sc)[0]
+        state.sched_path = work / f"sched{i}.json"
+        save_schedule(state.schedule, state.sched_path)
+        return state
+
+    def run_once(state: RowState, k: int) -> None:
+        """Run ``k`` of the row between the calibrations around it, predicted from their mean."""
+        row, i = state.row, state.i
+        tag = "" if k == 0 else f".{k + 1}"
+        # the machine's state right before the run: the first calibration; then, in a row's
+        # own sitting, the calibration after the previous run, and interleaved, a new one
+        if args.calibrate_once or k == 0:
+            before = state.first
+        elif args.interleave:
+            before = calibrated(state, f".before{tag}")
+        else:
+            before = state.after
+        out = work / f"measured{i}{tag}.json"
+        settled(state, "run")
+        load_before = snapshot()
+        state.meass.append(measure(row, state.cfg_path, state.sched_path, out))
+        state.run_loads.append(between(load_before, snapshot()))
+        after = None
+        if not args.calibrate_once and (not args.before_only or (not args.interleave and k + 1 < args.repeats)):
+            after = state.after = calibrated(state, f".after{tag}")
+        profile = before
+        if after is not None and not args.before_only:
+            # the machine's state around the run: the mean of a calibration before and after
+            try:
+                mean = mean_profile(json.loads(before.read_text()), json.loads(after.read_text()))
+            except CommsimInputError as e:  # a calibration that measured other sizes: keep the first
+                print(f"  ({row.name}: before/after profiles not averaged: {e})", flush=True)
+            else:
+                profile = work / f"profile{i}.mean{tag}.json"
+                profile.write_text(json.dumps(mean, indent=1))
+        # the executor's rows pay its own per-op costs; DeepSpeed's and FSDP2's do not
+        prediction = predict(replace(state.sc, hw_profile=str(profile)))
+        state.preds.append(prediction.metrics.step_time_s)
+        ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace())
+        for p, v in ph_meas.items():
+            state.phase_runs.setdefault(p, []).append((ph_pred[p], v))
+        for p, v in fresh_pages(row, out, prediction).items():
+            state.page_runs.setdefault(p, []).append(v)
+        for p, v in reported_pages(row, out, prediction, profile).items():
+            state.reported_runs.setdefault(p, []).append(v)
+        state.op_pcts.append(ops)
+        if args.interleave and k + 1 < args.repeats:
+            m, pr = state.meass[-1], state.preds[-1]
+            print(f"  pass {k + 1}/{args.repeats}: {row.name}: predicted {pr:.3f} s, measured {m:.3f} s, "
+                  f"{(pr - m) / m:+.1%}", flush=True)
+        if k == 0 and row.runner != "deepspeed" and row.fsdp is None and args.traces:
+            dest = Path(args.traces)
+            dest.mkdir(parents=True, exist_ok=True)
+            from commsim.ir.trace import Trace
+
+            stem = row.name.replace(" ", "_")
+            Trace.load(out).save(dest / f"{stem}.json.gz")
+            shutil.copy(profile, dest / f"{stem}.profile.json")
+            save_schedule(state.schedule, dest / f"{stem}.schedule.json.gz")  # what the trace measured
 
     single_errs: list[float] = []
     phase_errs: list[float] = []  # signed error of every phase (and communication) of every row
     phase_rows = 0
-    for i, row in enumerate(rows):
-        cfg_path = work / f"{'fsdp' if row.fsdp is not None else 'ds'}{i}.json"
-        cfg_path.write_text(json.dumps(row_config(row)))
-        cal_loads.clear()
-        settles.clear()
-        run_loads = []
-        # cals[k]: the machine's state right before repeat k (and, but for --before-only,
-        # cals[k + 1] right after it): calibrate, run, calibrate, run, ..., calibrate
-        if args.calibrate_once:  # a copy: a DeepSpeed row's host costs must not reach the next row
-            cals = [work / f"profile{i}.json"] * (args.repeats + 1)
-            shutil.copy(profiles[row_key(row)], cals[0])
-            with_host_costs(row, cals[0])
-        else:
-            cals = [calibrated(row, i, "")]
-        # the executor's rows replay the schedule as a GPU runs it; DeepSpeed's and FSDP2's
-        # are the frameworks' own runs (their async_op=False collectives block the host)
-        runner = "framework" if row.runner == "deepspeed" or row.fsdp is not None else "executor"
-        sc = scenario(row, str(cfg_path), hw_profile=str(cals[0]), runner=runner)
-        schedule = build_schedule(sc)[0]
-        sched_path = work / f"sched{i}.json"
-        save_schedule(schedule, sched_path)
-        preds, meass = [], []
-        phase_runs: dict[str, list[tuple[float, float]]] = {}  # phase -> (predicted, measured) per run
-        page_runs: dict[str, list[tuple[float, float]]] = {}  # a framework's fresh pages, the same way
-        reported_runs: dict[str, list[tuple[float, float]]] = {}  # the executor's reported pages (a VM)
-        op_pcts: list[dict[str, float]] = []
-        for k in range(args.repeats):
-            tag = "" if k == 0 else f".{k + 1}"
-            out = work / f"measured{i}{tag}.json"
-            settled("run")
-            before = snapshot()
-            meass.append(measure(row, cfg_path, sched_path, out))
-            run_loads.append(between(before, snapshot()))
-            if not args.calibrate_once and (not args.before_only or k + 1 < args.repeats):
-                cals.append(calibrated(row, i, f".after{tag}"))
-            profile = cals[k]
-            if not (args.calibrate_once or args.before_only):
-                # the machine's state around the run: the mean of a calibration before and after
-                try:
-                    mean = mean_profile(json.loads(cals[k].read_text()), json.loads(cals[k + 1].read_text()))
-                except CommsimInputError as e:  # a calibration that measured other sizes: keep the first
-                    print(f"  ({row.name}: before/after profiles not averaged: {e})", flush=True)
-                else:
-                    profile = work / f"profile{i}.mean{tag}.json"
-                    profile.write_text(json.dumps(mean, indent=1))
-            # the executor's rows pay its own per-op costs; DeepSpeed's and FSDP2's do not
-            prediction = predict(replace(sc, hw_profile=str(profile)))
-            preds.append(prediction.metrics.step_time_s)
-            ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace())
-            for p, v in ph_meas.items():
-                phase_runs.setdefault(p, []).append((ph_pred[p], v))
-            for p, v in fresh_pages(row, out, prediction).items():
-                page_runs.setdefault(p, []).append(v)
-            for p, v in reported_pages(row, out, prediction, profile).items():
-                reported_runs.setdefault(p, []).append(v)
-            op_pcts.append(ops)
-            if k == 0 and row.runner != "deepspeed" and row.fsdp is None and args.traces:
-                dest = Path(args.traces)
-                dest.mkdir(parents=True, exist_ok=True)
-                from commsim.ir.trace import Trace
 
-                stem = row.name.replace(" ", "_")
-                Trace.load(out).save(dest / f"{stem}.json.gz")
-                shutil.copy(profile, dest / f"{stem}.profile.json")
-                save_schedule(schedule, dest / f"{stem}.schedule.json.gz")  # what the trace measured
-        row_err, run_errs, ph_err = report_row(row, preds, meass, phase_runs, op_pcts, args.repeats, page_runs,
-                                               reported_runs)
-        line = load_line(run_loads, cal_loads)
-        if line and settles:
+    def finish_row(state: RowState) -> None:
+        nonlocal single_errs, phase_errs, phase_rows
+        row_err, run_errs, ph_err = report_row(state.row, state.preds, state.meass, state.phase_runs, state.op_pcts,
+                                               args.repeats, state.page_runs, state.reported_runs)
+        line = load_line(state.run_loads, state.cal_loads)
+        if line and state.settles:
             line += ("\n    waited for the guest's page reporting before each (seconds/MiB reported): "
-                     + ", ".join(settles))
+                     + ", ".join(state.settles))
         if line:
             print(line, flush=True)
-            (work / f"load{i}.txt").write_text(line.strip() + "\n")  # for bench/repredict_local.py
-        results.append((row, statistics.fmean(preds), statistics.fmean(meass), row_err))
+            (work / f"load{state.i}.txt").write_text(line.strip() + "\n")  # for bench/repredict_local.py
+        results.append((state.row, statistics.fmean(state.preds), statistics.fmean(state.meass), row_err))
         single_errs += run_errs
         phase_errs += list(ph_err.values())
         phase_rows += 1 if ph_err else 0
+
+    if args.interleave:
+        # every row once, then every row again in the same order: a row's runs lie a whole
+        # pass apart, so a slow quarter of an hour of the machine falls on one of them only
+        states: list[RowState] = []
+        for k in range(args.repeats):
+            for i, row in enumerate(rows):
+                if k == 0:
+                    states.append(start_row(i, row))
+                run_once(states[i], k)
+                if k + 1 == args.repeats:
+                    finish_row(states[i])
+    else:
+        for i, row in enumerate(rows):
+            state = start_row(i, row)
+            for k in range(args.repeats):
+                run_once(state, k)
+            finish_row(state)
     print(f"(took {time.time() - t0:.0f} s; work files in {work})")
     report_totals([e for *_, e in results], single_errs, phase_errs, phase_rows, args.repeats)
 
