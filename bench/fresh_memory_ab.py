@@ -66,12 +66,12 @@ def framework_row(name: str) -> Row:
 
 
 def run_once(row: Row, cfg: Path, out: Path, steps: int, no_fresh: bool) -> dict:
-    import validate_local as vl  # runs the row exactly as the grid does
+    from local_runs import measure_deepspeed, measure_fsdp2  # runs the row exactly as the grid does
 
     saved = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"] = NO_FRESH_MEMORY if no_fresh else ""
     try:
-        measure = vl.measure_deepspeed if row.runner == "deepspeed" else vl.measure_fsdp2
+        measure = measure_deepspeed if row.runner == "deepspeed" else measure_fsdp2
         step_s = measure(row, cfg, out, steps)
     finally:
         if saved is None:

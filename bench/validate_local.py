@@ -60,7 +60,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,8 +79,9 @@ from runtime.fsdp2_host_costs import measure_for_profile as measure_fsdp2_hooks 
 
 from linked_namespaces import LinkedNamespaces  # noqa: E402
 from local_grid import GRID, LINK_RATE, Row, row_config, row_key, scenario  # noqa: E402
+from local_runs import commsim, fsdp2_args, measure_deepspeed, measure_executor, measure_fsdp2  # noqa: E402
 from machine_load import between, load_line, settle, snapshot  # noqa: E402
-from local_report import (DEEPSPEED_WARMUP, EXECUTOR_WARMUP, FSDP2_WARMUP, MANIFEST, MEASURED_STEPS,  # noqa: E402
+from local_report import (EXECUTOR_WARMUP, MANIFEST, MEASURED_STEPS,  # noqa: E402
                           fresh_pages, measured_phases, median_step_s, report_row, report_totals, reported_pages,
                           stored_step_s)
 
@@ -106,56 +106,6 @@ class RowState:
     run_loads: list = field(default_factory=list)  # the machine beside each run
     cal_loads: list = field(default_factory=list)  # the machine beside each calibration
     settles: list = field(default_factory=list)  # waits for the guest's page reporting
-
-
-def run(cmd: list[str], env: dict | None = None, timeout: int = 1800) -> str:
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return out.stdout
-
-
-def commsim(*args: str, env: dict | None = None) -> str:
-    return run([sys.executable, "-m", "commsim.cli", *args], env=env)
-
-
-def measure_executor(row: Row, sched_path: Path, out: Path, steps: int) -> float:
-    commsim("execute", str(sched_path), "--nproc-per-node", str(row.ranks), "--steps", str(steps),
-            "--warmup", str(EXECUTOR_WARMUP), "-o", str(out))
-    return median_step_s(out)
-
-
-def measure_deepspeed(row: Row, cfg_path: Path, timings: Path, steps: int) -> float:
-    """Real DeepSpeed's median step (its own timer); its phase times stay in ``timings``."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"))
-    timings.unlink(missing_ok=True)
-    try:
-        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks),
-             "-m", "runtime.examples.ds_train", "--model", row.model, "--seq", str(row.seq), "--ds-config",
-             str(cfg_path), "--steps", str(steps + DEEPSPEED_WARMUP), "--timings", str(timings)], env=env)
-    except RuntimeError as e:
-        # ds_train writes its timings after the last step, then tears the job down; a
-        # rank aborting in gloo's teardown ("terminate called without an active
-        # exception") comes after every step was measured, so the run stands
-        if "terminate called without an active exception" not in str(e) or not timings.exists():
-            raise
-        print(f"  ({row.name}: a rank aborted in teardown after its timings were written; the run stands)",
-              file=sys.stderr)
-    return stored_step_s(row, timings)
-
-
-def fsdp2_args(row: Row, cfg_path: Path, timings: Path, steps: int) -> list[str]:
-    return ["--model", row.model, "--seq", str(row.seq), "--micro-batch", str(row.micro), "--fsdp-config",
-            str(cfg_path), "--steps", str(steps + FSDP2_WARMUP), "--timings", str(timings)]
-
-
-def measure_fsdp2(row: Row, cfg_path: Path, timings: Path, steps: int) -> float:
-    """Real FSDP2's median step (fsdp_train's timer); its phase times stay in ``timings``."""
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(row.ranks),
-         "-m", "runtime.examples.fsdp_train", *fsdp2_args(row, cfg_path, timings, steps)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return stored_step_s(row, timings)
 
 
 def main() -> None:
@@ -368,10 +318,9 @@ def main() -> None:
 
     single_errs: list[float] = []
     phase_errs: list[float] = []  # signed error of every phase (and communication) of every row
-    phase_rows = 0
+    phase_rows: list[str] = []  # the rows that reported phases
 
     def finish_row(state: RowState) -> None:
-        nonlocal single_errs, phase_errs, phase_rows
         row_err, run_errs, ph_err = report_row(state.row, state.preds, state.meass, state.phase_runs, state.op_pcts,
                                                args.repeats, state.page_runs, state.reported_runs)
         line = load_line(state.run_loads, state.cal_loads)
@@ -382,9 +331,10 @@ def main() -> None:
             print(line, flush=True)
             (work / f"load{state.i}.txt").write_text(line.strip() + "\n")  # for bench/repredict_local.py
         results.append((state.row, statistics.fmean(state.preds), statistics.fmean(state.meass), row_err))
-        single_errs += run_errs
-        phase_errs += list(ph_err.values())
-        phase_rows += 1 if ph_err else 0
+        single_errs.extend(run_errs)
+        phase_errs.extend(ph_err.values())
+        if ph_err:
+            phase_rows.append(state.row.name)
 
     if args.interleave:
         # every row once, then every row again in the same order: a row's runs lie a whole
@@ -404,7 +354,7 @@ def main() -> None:
                 run_once(state, k)
             finish_row(state)
     print(f"(took {time.time() - t0:.0f} s; work files in {work})")
-    report_totals([e for *_, e in results], single_errs, phase_errs, phase_rows, args.repeats)
+    report_totals([e for *_, e in results], single_errs, phase_errs, len(phase_rows), args.repeats)
 
 
 if __name__ == "__main__":
