@@ -33,15 +33,20 @@ _PHASE_OF = {"fwd": "forward", "recompute": "backward", "bwd": "backward", "opti
 def phase_times(records: list[TraceRecord]) -> dict[str, int]:
     """Wall time of each of STEP_PHASES in one rank's step (ns); a phase with no ops
     takes no time."""
-    if not records:
+    return span_phase_times([(r.phase, r.start_ns, r.end_ns) for r in records])
+
+
+def span_phase_times(spans) -> dict[str, int]:
+    """``phase_times`` of one rank's ops given as (phase, start ns, end ns)."""
+    if not spans:
         return {p: 0 for p in STEP_PHASES}
-    start = min(r.start_ns for r in records)
-    end = max(r.end_ns for r in records)
+    start = min(a for _, a, _ in spans)
+    end = max(b for _, _, b in spans)
     last = {p: start for p in STEP_PHASES}
-    for r in records:
-        p = _PHASE_OF.get(r.phase)
-        if p is not None and r.end_ns > last[p]:
-            last[p] = r.end_ns
+    for phase, _, b in spans:
+        p = _PHASE_OF.get(phase)
+        if p is not None and b > last[p]:
+            last[p] = b
     out, t = {}, start
     for p in STEP_PHASES[:-1]:
         t_end = max(t, last[p])
@@ -49,6 +54,14 @@ def phase_times(records: list[TraceRecord]) -> dict[str, int]:
         t = t_end
     out[STEP_PHASES[-1]] = max(0, end - t)
     return out
+
+
+def sampled_phase_times(samples) -> dict[str, int]:
+    """Each phase's median over a noisy prediction's seeded steps (``SimResult.
+    step_samples_spans``), as a measurement's phase is the median over its steps: the
+    returned step is the median by step time, but its phases are one draw each."""
+    per = [span_phase_times(list(s)) for s in samples]
+    return {p: int(statistics.median(t[p] for t in per)) for p in STEP_PHASES}
 
 
 @dataclass

@@ -40,7 +40,7 @@ from commsim.sim.gpu_rank import GpuRank
 from commsim.sim.host_heap import HostHeap, rehearsed_heap
 from commsim.sim.network import FluidNetwork
 from commsim.sim.rank import RankSim
-from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, SimConfig, SimResult, stall_kind
+from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, SimConfig, SimResult, sample_spans, stall_kind
 
 __all__ = ["HOST", "HostBlock", "OpRecord", "RankResult", "SimConfig", "SimResult", "Simulator", "simulate",
            "rank_noise", "NOISE_SAMPLES"]
@@ -383,7 +383,8 @@ def simulate(sim: Simulator) -> SimResult:
     stalls), one step is one draw of a random process: NOISE_SAMPLES seeded steps are
     simulated (seeds seed, seed+1, ..., all starting from the first one's warm-up, which
     has neither) and the median one is returned, with every step time in
-    ``step_samples_ns``."""
+    ``step_samples_ns`` and every step's ops on the lowest rank in ``step_samples_spans``
+    (a phase's time is one draw in one step too: ``report.compare.sampled_phase_times``)."""
     first = sim.run()
     if not (sim.rank_noise[0] or sim.rank_noise_slow[0] or sim.rank_stalls) or first.oom:
         return first
@@ -394,4 +395,5 @@ def simulate(sim: Simulator) -> SimResult:
         return oom
     median = sorted(results, key=lambda r: r.step_time_ns)[len(results) // 2]
     median.step_samples_ns = tuple(r.step_time_ns for r in results)
+    median.step_samples_spans = tuple(sample_spans(r) for r in results)
     return median

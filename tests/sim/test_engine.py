@@ -356,10 +356,12 @@ def test_rank_drift_keeps_the_mean_speed_and_makes_synchronisations_wait():
 def test_measured_drift_simulates_every_rank_and_reports_the_median_of_seeded_steps():
     from commsim.sim.engine import NOISE_SAMPLES, simulate
 
-    prog = Program((), (comp(1, 10_000_000), coll(2, 1, (0, 1), stream=C), comp(3, 10_000_000)))
+    prog = Program((), (replace(comp(1, 10_000_000), phase=O.Phase.FORWARD), coll(2, 1, (0, 1), stream=C),
+                        replace(comp(3, 10_000_000), phase=O.Phase.BACKWARD)))
     costs = FixedCosts()
     assert Simulator(Schedule.uniform(2, prog), costs).mode == "symmetric"
     assert simulate(Simulator(Schedule.uniform(2, prog), costs)).step_samples_ns == ()
+    assert simulate(Simulator(Schedule.uniform(2, prog), costs)).step_samples_spans == ()
     costs.platform = replace(GPU, drift=RankDrift(0.1, 5_000_000))
     assert Simulator(Schedule.uniform(2, prog), costs).mode == "per-rank"
     res = simulate(Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=4)))
@@ -367,9 +369,21 @@ def test_measured_drift_simulates_every_rank_and_reports_the_median_of_seeded_st
     assert res.step_time_ns == sorted(res.step_samples_ns)[NOISE_SAMPLES // 2]
     assert res.rank_noise == (0.1, 5_000_000)
     # the repeats start from the first one's warm-up: the same steps as warming up each
-    assert res.step_samples_ns == tuple(
-        Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=4 + i)).run().step_time_ns
-        for i in range(NOISE_SAMPLES))
+    runs = [Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=4 + i)).run() for i in range(NOISE_SAMPLES)]
+    assert res.step_samples_ns == tuple(r.step_time_ns for r in runs)
+    # every seeded step's ops on rank 0 (phase, start less its wait for peers, end), so a
+    # phase's time can be the median over the steps, as the step's is
+    assert res.step_samples_spans == tuple(
+        tuple((rec.op.phase.value, rec.start_ns - rec.wait_peers_ns, rec.end_ns) for rec in r.ranks[0].records)
+        for r in runs)
+    from commsim.report.compare import sampled_phase_times, span_phase_times
+    per = [span_phase_times(list(sp)) for sp in res.step_samples_spans]
+    med = sampled_phase_times(res.step_samples_spans)
+    assert set(med) == set(per[0])
+    for ph, ns in med.items():
+        assert ns == sorted(t[ph] for t in per)[NOISE_SAMPLES // 2]
+    # the two computes are distinct draws: the phases' medians are not the median step's
+    assert len({t["forward"] for t in per}) > 1
     with pytest.raises(ValueError, match="when it is not 0, the correlation time > 0"):
         RankDrift(0.1, 0)
     with pytest.raises(ValueError, match="when it is not 0, the correlation time > 0"):
