@@ -16,16 +16,23 @@ from commsim.ir.trace import Trace, TraceSource
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quick_calibration_then_predict(tmp_path):
-    prof = tmp_path / "p.json"
-    sched = tmp_path / "s.json"
+def test_quick_calibration_under_torchrun_then_predict_and_execute(tmp_path):
+    """On a real cluster calibrate and execute run as ranks of a job torchrun (or srun)
+    started: rank, world, rendezvous and ranks per node come from the environment; rank 0
+    writes. The profile then prices the schedule's ops and predict uses it. (One
+    calibration for all of it: it is the suite's costliest step. commsim's own spawn of
+    the ranks runs in tests/test_gpu_check.py's rehearsal.)"""
+    prof, sched, meas = tmp_path / "p.json", tmp_path / "s.json", tmp_path / "m.json"
     out = subprocess.run([sys.executable, "-m", "commsim.cli", "schedule", "--model", "tiny", "--nodes", "1",
                           "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "-o", str(sched)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    out = subprocess.run([sys.executable, "-m", "commsim.cli", "calibrate", "--quick", "--schedule", str(sched),
-                          "-o", str(prof)], capture_output=True, text=True, timeout=600)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "commsim.cli"]
+    out = subprocess.run(torchrun + ["calibrate", "--quick", "--schedule", str(sched), "-o", str(prof)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "hardware profile of 2 gloo ranks (from the environment)" in out.stdout
     # a rank's own figures are the ranks' mean, and the log says how far the slowest lay above it
     assert re.search(r"ranks apart: the slowest rank's figure \d+\.\d% above the ranks' mean \(median of \d+ figures",
                      out.stdout + out.stderr)
@@ -111,30 +118,14 @@ def test_quick_calibration_then_predict(tmp_path):
     if p.rank_noise_sd or p.platform.stalls:  # every rank simulated, the median of seeded steps
         assert m["mode"] == "per-rank" and len(m["step_time_samples_s"]) == 9
         assert m["step_time_s"] == sorted(m["step_time_samples_s"])[4]
-
-
-def test_calibrate_and_execute_under_torchrun(tmp_path):
-    """On a real cluster both run as ranks of a job torchrun (or srun) started: rank,
-    world, rendezvous and ranks per node come from the environment; rank 0 writes."""
-    sched, prof, meas = tmp_path / "s.json", tmp_path / "p.json", tmp_path / "m.json"
-    out = subprocess.run([sys.executable, "-m", "commsim.cli", "schedule", "--model", "tiny", "--nodes", "1",
-                          "--gpus-per-node", "2", "--micro-batch", "1", "--seq", "8", "-o", str(sched)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "commsim.cli"]
-    out = subprocess.run(torchrun + ["calibrate", "--quick", "-o", str(prof)], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "hardware profile of 2 gloo ranks (from the environment)" in out.stdout
-    p = load_profile(prof)
-    assert p.ranks_per_node == 2 and set(p.collectives["all_gather"]) == {("intra_node", 2)}
     assert len(p.alloc_points) == 4  # quick: 4 sizes, across glibc's mmap threshold
     out = subprocess.run(torchrun + ["execute", str(sched), "--steps", "1", "--warmup", "0", "-o", str(meas)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     t = Trace.load(meas)
     assert t.meta.source is TraceSource.MEASURED and {r.rank for r in t.records} == {0, 1}
+
+
 
 
 def test_the_profile_document_follows_the_platform():

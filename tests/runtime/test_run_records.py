@@ -55,21 +55,24 @@ def torchrun(*args, env=None, **kw):
                            "-m", *map(str, args)], cwd=ROOT, timeout=300, env=env, **kw)
 
 
-@pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
-    """FSDP2's defaults on the tiny model, 2 ranks: its schedule and one real run."""
-    d = tmp_path_factory.mktemp("fsdp")
+def _run_fsdp(d: Path) -> None:
     cfg = d / "fsdp.json"
     cfg.write_text("{}")
-    sched = d / "sched.json"
     out = commsim("schedule", "--strategy", "fsdp2", "--fsdp-config", cfg, "--model", "tiny", "--nodes", "1",
-                  "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "-o", sched)
+                  "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "16", "-o", d / "sched.json")
     assert out.returncode == 0, out.stderr
     out = torchrun("runtime.examples.fsdp_train", "--model", "tiny", "--micro-batch", "2", "--seq", "16", "--steps",
                    STEPS, "--fsdp-config", cfg, "--torch-profile-dir", d / "prof", "--flight-recorder",
                    d / "fr" / "rank", "--flight-recorder-json", d / "frjson" / "rank", "--timings", d / "timings.json",
                    capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def fsdp(made_once):
+    """FSDP2's defaults on the tiny model, 2 ranks: its schedule and one real run."""
+    d = made_once("fsdp-run", _run_fsdp)
+    sched = d / "sched.json"
     return SimpleNamespace(dir=d, sched=sched, schedule=load_schedule_any(sched), prof=d / "prof", fr=d / "fr",
                            frjson=d / "frjson", timings=json.loads((d / "timings.json").read_text()),
                            trace=load_trace(d / "prof"))
@@ -85,15 +88,11 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
 DS_STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    """DeepSpeed ZeRO-2 with its comms logger, 2 ranks: its schedule and one real run's log."""
-    d = tmp_path_factory.mktemp("ds")
+def _run_ds(d: Path) -> None:
     cfg = d / "ds.json"
     cfg.write_text(json.dumps(DS_CONFIG))
-    sched = d / "sched.json"
     out = commsim("schedule", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--seq", "16",
-                  "--ds-config", cfg, "-o", sched)
+                  "--ds-config", cfg, "-o", d / "sched.json")
     assert out.returncode == 0, out.stderr
     log = d / "log.txt"
     with log.open("w") as f:
@@ -101,7 +100,15 @@ def ds(tmp_path_factory):
                        DS_STEPS, "--comms-raw-json", d / "raw.json", stdout=f, stderr=subprocess.STDOUT,
                        env={"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")})
     assert out.returncode == 0, log.read_text()[-3000:]
-    return SimpleNamespace(dir=d, sched=sched, schedule=load_schedule_any(sched), log=log, raw=d / "raw.json")
+
+
+@pytest.fixture(scope="module")
+def ds(made_once):
+    """DeepSpeed ZeRO-2 with its comms logger, 2 ranks: its schedule and one real run's log."""
+    d = made_once("ds-run", _run_ds)
+    sched = d / "sched.json"
+    return SimpleNamespace(dir=d, sched=sched, schedule=load_schedule_any(sched), log=d / "log.txt",
+                           raw=d / "raw.json")
 
 
 # ------------------------------------------------------------ torch.profiler
