@@ -58,8 +58,8 @@ def stored_step_s(row: "Row", out: Path) -> float:
 _DS_PHASES = {"forward": "forward", "backward": "backward", "step": "optimizer"}
 
 
-def measured_phases(row: "Row", out: Path, pred_trace, samples=()) -> tuple[dict[str, float], dict[str, float],
-                                                                           dict[str, float]]:
+def measured_phases(row: "Row", out: Path, pred_trace) -> tuple[dict[str, float], dict[str, float],
+                                                              dict[str, float]]:
     """(predicted, measured) wall time of each phase of the step, and of communication
     where the run recorded its collectives, in seconds (measured: the median over the
     measured steps), and the per-op error percentiles (executor runs), with the GEMMs'
@@ -67,14 +67,15 @@ def measured_phases(row: "Row", out: Path, pred_trace, samples=()) -> tuple[dict
     GEMMs share is the machine's speed during the run against its calibrations'; and the
     communication's split into the collectives' own time and the ranks' waits for their
     peers (``own_pred_s``, ``own_meas_s``, ``wait_pred_s``, ``wait_meas_s``: compare's
-    ``comm_split``). A noisy prediction's phases are each phase's median over its seeded
-    steps (``samples``: ``SimResult.step_samples_spans``), as the measured ones are the
-    median over the run's steps; without samples, the one predicted step's."""
+    ``comm_split``). A noisy prediction's phases, ops and communication are medians over
+    its seeded steps (the trace's ``step_samples``: ``report.compare``), as the measured
+    ones are over the run's steps; without samples, the one predicted step's."""
     from commsim.ir.trace import Trace
     from commsim.report.compare import compare, phase_times, sampled_phase_times
 
+    samples = pred_trace.meta.get("step_samples")
     if samples:
-        predicted = {p: ns / 1e9 for p, ns in sampled_phase_times(samples).items()}
+        predicted = {p: ns / 1e9 for p, ns in sampled_phase_times(samples, 0).items()}
     else:
         pred_records = [r for r in pred_trace.records if r.rank == 0 and r.step == 0]
         predicted = {p: ns / 1e9 for p, ns in phase_times(pred_records).items()}

@@ -134,7 +134,7 @@ def main() -> None:
             meass.append(stored_step_s(row, out))
             prediction = predict(replace(sc, hw_profile=profile_of(i, k)))
             preds.append(prediction.metrics.step_time_s)
-            ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace(), prediction.result.step_samples_spans)
+            ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace())
             for p, v in ph_meas.items():
                 phase_runs.setdefault(p, []).append((ph_pred[p], v))
             for p, v in fresh_pages(row, out, prediction).items():

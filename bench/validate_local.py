@@ -47,7 +47,7 @@ an idle guest's few MiB (``machine_load.settle``; ``--no-settle`` starts at once
 gigabytes a calibration or a run frees would otherwise be reported during the next
 one (traces/README.md, "The guest's unreported memory").
 Measured figures are the median over the measured steps everywhere; a per-rank
-prediction's step and each of its phases are the median over its seeded steps. Ends with two lines:
+prediction's step, each of its phases, ops and communication are medians over its seeded steps. Ends with two lines:
 ``median |error| = X%  max |error| = Y%  rows = N`` (step time) and
 ``phases: median |error| = X%  max |error| = Y%  rows = N``. The history of
 grid runs, and what each showed, is in traces/README.md.
@@ -295,7 +295,7 @@ def main() -> None:
         # the executor's rows pay its own per-op costs; DeepSpeed's and FSDP2's do not
         prediction = predict(replace(state.sc, hw_profile=str(profile)))
         state.preds.append(prediction.metrics.step_time_s)
-        ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace(), prediction.result.step_samples_spans)
+        ph_pred, ph_meas, ops = measured_phases(row, out, prediction.trace())
         for p, v in ph_meas.items():
             state.phase_runs.setdefault(p, []).append((ph_pred[p], v))
         for p, v in fresh_pages(row, out, prediction).items():

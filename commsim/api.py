@@ -95,8 +95,11 @@ def result_trace(result: SimResult, schedule: Schedule, hardware: str) -> Trace:
             recs.append(TraceRecord(r.rank, r.stream, int(r.op.id), op_kind_name(r.op), r.op.label,
                                     r.start_ns - r.wait_peers_ns, r.end_ns, op_size_bytes(r.op), op_flops(r.op), 0,
                                     r.op.phase.value, *collective_columns(r.op)))
+    extra: tuple = (("mode", result.mode), ("jitter", result.jitter))
+    if result.step_samples_spans:  # a noisy prediction's seeded steps (report.compare takes medians over them)
+        extra += (("step_samples", result.step_samples_spans),)
     meta = TraceMeta(TraceSource.PREDICTED, producer="commsim.sim", schedule_hash=schedule_hash(schedule),
-                     hardware=hardware, seed=result.seed, extra=(("mode", result.mode), ("jitter", result.jitter)))
+                     hardware=hardware, seed=result.seed, extra=extra)
     return make_trace(meta, recs)
 
 

@@ -5,13 +5,16 @@ Both traces are in commsim's schema: the predicted one from ``commsim predict --
 (the simulated step; symmetric mode holds rank 0 only), the measured one from
 ``commsim execute`` (several measured steps). Ops are matched by (rank, op id); a
 measured op's duration is its mean over the measured steps. Phases are rank 0's; the
-communication time is the mean over the ranks (see ``compare``).
+communication time is the mean over the ranks (see ``compare``). A noisy prediction
+(per-rank, its ranks drifting) holds its seeded steps in ``meta.extra["step_samples"]``:
+its phases, op durations and communication time are then medians over them, as the
+measured ones are over the measured steps.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from commsim.ir.ops import ComputeKind
 from commsim.ir.trace import HOST_STREAM, Trace, TraceRecord
@@ -56,12 +59,36 @@ def span_phase_times(spans) -> dict[str, int]:
     return out
 
 
-def sampled_phase_times(samples) -> dict[str, int]:
-    """Each phase's median over a noisy prediction's seeded steps (``SimResult.
-    step_samples_spans``), as a measurement's phase is the median over its steps: the
-    returned step is the median by step time, but its phases are one draw each."""
-    per = [span_phase_times(list(s)) for s in samples]
+def sampled_phase_times(samples, rank: int | None = None) -> dict[str, int]:
+    """Each phase's median on ``rank`` (default: the lowest) over a noisy prediction's
+    seeded steps (``SimResult.step_samples_spans``), as a measurement's phase is the
+    median over its steps: the returned step is the median by step time, but its phases
+    are one draw each."""
+    per = [span_phase_times([(ph, a, b) for r, _, ph, a, b in s if r == _rank(s, rank)]) for s in samples]
     return {p: int(statistics.median(t[p] for t in per)) for p in STEP_PHASES}
+
+
+def _rank(sample, rank: int | None) -> int:
+    return min(r for r, *_ in sample) if rank is None else rank
+
+
+def sampled_op_ns(samples, rank: int) -> dict[int, int]:
+    """Each op's duration on ``rank``, the median over the seeded steps (op id -> ns)."""
+    durs: dict[int, list[int]] = {}
+    for s in samples:
+        for r, op, _, a, b in s:
+            if r == rank:
+                durs.setdefault(op, []).append(b - a)
+    return {op: int(statistics.median(d)) for op, d in durs.items()}
+
+
+def sampled_comm_ns(samples, records: list[TraceRecord]) -> float:
+    """The communication time (``_mean_comm_ns``), the median over the seeded steps:
+    each step's ops take their kind and stream from ``records`` (the returned step's)."""
+    rec = {(r.rank, r.op_id): r for r in records if r.step == 0}
+    per = [_mean_comm_ns([replace(rec[rank, op], start_ns=a, end_ns=b) for rank, op, _, a, b in s
+                          if (rank, op) in rec], 0) for s in samples]
+    return float(statistics.median(per)) if per else 0.0
 
 
 @dataclass
@@ -187,6 +214,13 @@ def compare(predicted: Trace, measured: Trace, rank: int = 0) -> Comparison:
         raise ValueError(f"the measured trace has no records for rank {rank}")
     step_times = measured.meta.get("step_times_ns") or [step_view(per_step[s]).step_ns for s in steps]
     pv = step_view(pred)
+    # A noisy prediction's step is the median of its seeded steps, each one draw of the
+    # ranks' drift: its phases, ops and communication are medians over those steps too,
+    # as the measured ones are over the measured steps.
+    samples = predicted.meta.get("step_samples") or ()
+    op_ns = sampled_op_ns(samples, rank) if samples else {}
+    if samples:
+        pv.phase_ns = sampled_phase_times(samples, rank)
     views = [step_view(per_step[s]) for s in steps if per_step[s]]
     # the measured view: the step closest to the median step time
     med = statistics.median(step_times)
@@ -199,7 +233,7 @@ def compare(predicted: Trace, measured: Trace, rank: int = 0) -> Comparison:
     for r in pred:
         if r.op_id in durs and r.stream != HOST_STREAM:
             m = statistics.mean(durs[r.op_id])
-            p = r.end_ns - r.start_ns
+            p = op_ns.get(r.op_id, r.end_ns - r.start_ns)
             errors.append(((p - m) / m if m else 0.0, p, int(m), r))
     spread = (max(step_times) - min(step_times)) / 2 if step_times else 0.0
     phases = {p: float(statistics.median(v.phase_ns[p] for v in views)) for p in STEP_PHASES}
@@ -211,8 +245,9 @@ def compare(predicted: Trace, measured: Trace, rank: int = 0) -> Comparison:
                                                       if per_step[s]))
     splits = [comm_split(measured.records, s) for s in steps if per_step[s]]
     measured_split = (float(statistics.median(x[0] for x in splits)), float(statistics.median(x[1] for x in splits)))
+    pred_comm = sampled_comm_ns(samples, predicted.records) if samples else _mean_comm_ns(predicted.records, 0)
     return Comparison(float(pv.step_ns), float(med), float(spread), pv, mv, errors, phases,
-                      _mean_comm_ns(predicted.records, 0), comm_split(predicted.records, 0), measured_split)
+                      pred_comm, comm_split(predicted.records, 0), measured_split)
 
 
 def comm_split(records: list[TraceRecord], step: int) -> tuple[float, float]:

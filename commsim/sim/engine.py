@@ -383,8 +383,9 @@ def simulate(sim: Simulator) -> SimResult:
     stalls), one step is one draw of a random process: NOISE_SAMPLES seeded steps are
     simulated (seeds seed, seed+1, ..., all starting from the first one's warm-up, which
     has neither) and the median one is returned, with every step time in
-    ``step_samples_ns`` and every step's ops on the lowest rank in ``step_samples_spans``
-    (a phase's time is one draw in one step too: ``report.compare.sampled_phase_times``)."""
+    ``step_samples_ns`` and every step's ops on every rank in ``step_samples_spans`` (a
+    phase's or an op's time is one draw in one step too: ``report.compare``'s
+    ``sampled_phase_times`` and ``compare``)."""
     first = sim.run()
     if not (sim.rank_noise[0] or sim.rank_noise_slow[0] or sim.rank_stalls) or first.oom:
         return first

@@ -125,16 +125,18 @@ class SimResult:
     rank_noise_slow: tuple[float, int] = (0.0, 0)  # its slower second component, where measured
     rank_stalls: tuple[float, float] = (0.0, 0.0)  # the ranks' stalls: (a second of work, loss)
     step_samples_ns: tuple[int, ...] = ()  # with rank noise: every seeded step's time (median chosen)
-    # with rank noise: every seeded step's ops on its lowest rank as (phase, start, end) ns,
-    # a collective starting where the rank reached it (its wait for peers included), so a
-    # phase's time can be the median over the samples as the step's is (``sample_spans``)
-    step_samples_spans: tuple[tuple[tuple[str, int, int], ...], ...] = ()
+    # with rank noise: every seeded step's ops on every rank as (rank, op id, phase, start,
+    # end) ns, a collective starting where the rank reached it (its wait for peers
+    # included), so a phase's or an op's time can be the median over the samples as the
+    # step's is (``sample_spans``; ``report.compare``)
+    step_samples_spans: tuple[tuple[tuple[int, int, str, int, int], ...], ...] = ()
 
 
-def sample_spans(result: "SimResult") -> tuple[tuple[str, int, int], ...]:
-    """``result``'s ops on its lowest rank as (phase, start, end) ns."""
-    rank = min(result.ranks)
-    return tuple((r.op.phase.value, r.start_ns - r.wait_peers_ns, r.end_ns) for r in result.ranks[rank].records)
+def sample_spans(result: "SimResult") -> tuple[tuple[int, int, str, int, int], ...]:
+    """``result``'s ops on every rank as (rank, op id, phase, start, end) ns, as
+    ``api.result_trace`` records them."""
+    return tuple((rank, int(r.op.id), r.op.phase.value, r.start_ns - r.wait_peers_ns, r.end_ns)
+                 for rank in sorted(result.ranks) for r in result.ranks[rank].records)
 
 
 def stall_kind(op: O.Op) -> str:

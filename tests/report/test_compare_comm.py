@@ -108,3 +108,42 @@ def test_without_collectives_the_split_is_not_printed():
     c = compare(pred, meas)
     assert c.predicted_comm_split_ns == c.measured_comm_split_ns == (0.0, 0.0)
     assert "waits for peers" not in format_comparison(c)
+
+
+def test_a_noisy_predictions_phases_ops_and_communication_are_medians_over_its_seeded_steps(tmp_path):
+    """A per-rank prediction with drifting ranks returns its median step, but each of that
+    step's phases, ops and collectives is one draw: compare takes each as its median over
+    the seeded steps the trace holds (``step_samples``: rank, op, phase, start, end ns),
+    as the measured ones are medians over the measured steps."""
+    us = 1000
+
+    def sample(gemm0, gemm1, end):
+        # rank 0's forward GEMM, then an all-gather both ranks leave at ``end``
+        return ((0, 1, "fwd", 0, gemm0 * us), (0, 2, "fwd", gemm0 * us, end * us),
+                (1, 1, "fwd", 0, gemm1 * us), (1, 2, "fwd", gemm1 * us, end * us))
+
+    samples = (sample(100, 130, 150), sample(90, 80, 120), sample(120, 100, 160))
+    returned = sample(100, 130, 150)  # the median step by step time
+    pred = Trace(TraceMeta(TraceSource.PREDICTED, producer="test", extra=(("step_samples", samples),)),
+                 tuple(rec(r, op, "gemm" if op == 1 else "all_gather", a // us, b // us, 0,
+                           stream="compute" if op == 1 else "allgather") for r, op, _, a, b in returned))
+    meas = Trace(TraceMeta(TraceSource.RECORDED, producer="test"),
+                 tuple(step_of(1, 0, 1) + step_of(2, 1000, 0) + step_of(3, 2000, 1)))
+    for p in (pred, Trace.load(_saved(pred, tmp_path))):  # and read back from its file
+        c = compare(p, meas)
+        # rank 0's forward ends at 150 / 120 / 160 us: median 150
+        assert c.predicted.phase_ns["forward"] == 150 * us
+        # op 1 on rank 0 takes 100 / 90 / 120 us (median 100), op 2 50 / 30 / 40 (median 40)
+        assert {r.op_id: pns for _, pns, _, r in c.op_errors} == {1: 100 * us, 2: 40 * us}
+        # communication, the mean over the ranks: (50 + 20) / 2, (30 + 40) / 2, (40 + 60) / 2
+        assert c.predicted_comm_ns == 35 * us
+    # without samples (a symmetric or noise-free prediction) the one step's figures
+    plain = compare(Trace(TraceMeta(TraceSource.PREDICTED, producer="test"), pred.records), meas)
+    assert {r.op_id: pns for _, pns, _, r in plain.op_errors} == {1: 100 * us, 2: 50 * us}
+    assert plain.predicted_comm_ns == (50 + 20) / 2 * us
+
+
+def _saved(trace, tmp_path):
+    path = tmp_path / "pred.json"
+    trace.save(str(path))
+    return str(path)

@@ -371,14 +371,17 @@ def test_measured_drift_simulates_every_rank_and_reports_the_median_of_seeded_st
     # the repeats start from the first one's warm-up: the same steps as warming up each
     runs = [Simulator(Schedule.uniform(2, prog), costs, SimConfig(seed=4 + i)).run() for i in range(NOISE_SAMPLES)]
     assert res.step_samples_ns == tuple(r.step_time_ns for r in runs)
-    # every seeded step's ops on rank 0 (phase, start less its wait for peers, end), so a
-    # phase's time can be the median over the steps, as the step's is
+    # every seeded step's ops on every rank (rank, op id, phase, start less its wait for
+    # peers, end), so a phase's or an op's time can be the median over the steps, as the
+    # step's is
     assert res.step_samples_spans == tuple(
-        tuple((rec.op.phase.value, rec.start_ns - rec.wait_peers_ns, rec.end_ns) for rec in r.ranks[0].records)
+        tuple((rank, int(rec.op.id), rec.op.phase.value, rec.start_ns - rec.wait_peers_ns, rec.end_ns)
+              for rank in (0, 1) for rec in r.ranks[rank].records)
         for r in runs)
     from commsim.report.compare import sampled_phase_times, span_phase_times
-    per = [span_phase_times(list(sp)) for sp in res.step_samples_spans]
+    per = [span_phase_times([(ph, a, b) for rank, _, ph, a, b in sp if rank == 0]) for sp in res.step_samples_spans]
     med = sampled_phase_times(res.step_samples_spans)
+    assert sampled_phase_times(res.step_samples_spans, 0) == med != sampled_phase_times(res.step_samples_spans, 1)
     assert set(med) == set(per[0])
     for ph, ns in med.items():
         assert ns == sorted(t[ph] for t in per)[NOISE_SAMPLES // 2]
