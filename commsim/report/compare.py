@@ -64,12 +64,11 @@ def sampled_phase_times(samples, rank: int | None = None) -> dict[str, int]:
     seeded steps (``SimResult.step_samples_spans``), as a measurement's phase is the
     median over its steps: the returned step is the median by step time, but its phases
     are one draw each."""
-    per = [span_phase_times([(ph, a, b) for r, _, ph, a, b in s if r == _rank(s, rank)]) for s in samples]
+    per = []
+    for s in samples:
+        on = min(r for r, *_ in s) if rank is None else rank
+        per.append(span_phase_times([(ph, a, b) for r, _, ph, a, b in s if r == on]))
     return {p: int(statistics.median(t[p] for t in per)) for p in STEP_PHASES}
-
-
-def _rank(sample, rank: int | None) -> int:
-    return min(r for r, *_ in sample) if rank is None else rank
 
 
 def sampled_op_ns(samples, rank: int) -> dict[int, int]:
@@ -220,7 +219,7 @@ def compare(predicted: Trace, measured: Trace, rank: int = 0) -> Comparison:
     samples = predicted.meta.get("step_samples") or ()
     op_ns = sampled_op_ns(samples, rank) if samples else {}
     if samples:
-        pv.phase_ns = sampled_phase_times(samples, rank)
+        pv = replace(pv, phase_ns=sampled_phase_times(samples, rank))
     views = [step_view(per_step[s]) for s in steps if per_step[s]]
     # the measured view: the step closest to the median step time
     med = statistics.median(step_times)
