@@ -35,7 +35,10 @@ from commsim.models.spec import Kernel, ModuleSpec
 # Kernels that write a parameter's gradient, by name (transformer.py / families.py /
 # eager.py): a GEMM's weight gradient, a bias or norm weight's reduction, an embedding's
 # dense gradient (and its tied copy's accumulation).
+# DeepSpeed's transformer kernel (bing_bert.py) names them "<gemm>.wgrad", "<gemm>.bias_grad"
+# and "<norm>.gamma_beta": matched by their last part.
 PARAM_GRAD_KERNELS = frozenset({"wgrad", "bias_grad", "weight_grad.sum", "lookup_bwd", "tied_grad"})
+PARAM_GRAD_SUFFIXES = frozenset({"wgrad", "bias_grad", "gamma_beta"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +52,7 @@ class BackwardMemory:
 def writes_param_grad(k: Kernel, m: ModuleSpec) -> bool:
     """A kernel whose output is a parameter's gradient: by name, or an output shaped like
     one of the module's parameters (walked modules name their kernels fwd / bwd)."""
-    if k.name in PARAM_GRAD_KERNELS:
+    if k.name in PARAM_GRAD_KERNELS or k.name.rsplit(".", 1)[-1] in PARAM_GRAD_SUFFIXES:
         return True
     shapes = {p.shape for p in m.params} | {tuple(reversed(p.shape)) for p in m.params}
     return bool(k.shape) and tuple(k.shape) in shapes

@@ -1,7 +1,9 @@
 """Read a local Hugging Face ``config.json`` into a ``TransformerConfig``.
 
 Supported ``model_type``s: bert, roberta (and xlm-roberta), gpt2, llama (and mistral,
-which shares Llama's module tree). The file is only read, never downloaded. Missing
+which shares Llama's module tree), and ``bing_bert``: a BERT config.json read as
+DeepSpeed's bing_bert with its transformer kernel (``commsim.models.bing_bert``; not a
+Hugging Face type, commsim's name for that model). The file is only read, never downloaded. Missing
 or invalid fields are reported with the file and the field name.
 """
 
@@ -14,7 +16,7 @@ from commsim.ir.errors import CommsimInputError
 from commsim.models.transformer import ACTIVATIONS, ATTENTIONS, TransformerConfig
 from commsim.util.files import read_json
 
-SUPPORTED = ("bert", "roberta", "xlm-roberta", "gpt2", "llama", "mistral")
+SUPPORTED = ("bert", "roberta", "xlm-roberta", "gpt2", "llama", "mistral", "bing_bert")
 
 
 def _get(cfg: dict[str, Any], path: Path, *keys: str, default: int | None = None) -> int:
@@ -79,10 +81,10 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
     if mtype not in SUPPORTED:
         raise CommsimInputError(f"{path}: model_type {mtype!r} is not supported; supported: {', '.join(SUPPORTED)}")
     name = name or cfg.get("_name_or_path") or path.parent.name or path.stem
-    if mtype in ("bert", "roberta", "xlm-roberta"):
+    if mtype in ("bert", "roberta", "xlm-roberta", "bing_bert"):
         return TransformerConfig(
             name=name,
-            family="bert" if mtype == "bert" else "roberta",
+            family={"bert": "bert", "bing_bert": "bing_bert"}.get(mtype, "roberta"),
             layers=_get(cfg, path, "num_hidden_layers"),
             hidden=_get(cfg, path, "hidden_size"),
             heads=_get(cfg, path, "num_attention_heads"),

@@ -93,6 +93,11 @@ class ModuleSpec:
     # tensors, each counted once, by the module that made it). None: not modelled for
     # this module; every output of its forward kernels is kept (an upper bound).
     saved_bytes: int | None = None
+    # The module's forward (recompute included) / backward waits on the host for the
+    # compute stream to drain before it launches its kernels (a cudaStreamSynchronize
+    # inside a custom op, a device-to-host copy of a count, ...).
+    sync_before_fwd: bool = False
+    sync_before_bwd: bool = False
 
     @property
     def activation_bytes(self) -> int:

@@ -11,6 +11,10 @@ trees are written in ``commsim.models.families``, into this module's ``Builder``
 * ``llama`` (``LlamaForCausalLM``): RMSNorm (weight only), no biases, grouped-query
   attention (``kv_heads``), SwiGLU MLP (gate / up / down), untied LM head.
 
+A fourth, ``bing_bert`` (``commsim.models.bing_bert``), is DeepSpeed's BERT pre-training
+model with DeepSpeed's fused transformer kernel: each encoder layer one module whose
+kernels are DeepSpeed's CUDA layer's, not Hugging Face's.
+
 Each module carries the kernels Hugging Face's eager code launches in training mode
 (dropout active), one per ATen call (``commsim.models.eager``), in forward and in the
 order autograd runs them in backward: the GEMMs and bias kernels of every Linear, the
@@ -40,7 +44,7 @@ from commsim.models.eager import PYTORCH_1_10, Eager, Op, TorchBehaviour, chain
 from commsim.models.families import LOWER
 from commsim.models.spec import ArchInfo, ModelDescription, ModuleKind, ModuleSpec, ParamSpec, Role
 
-FAMILIES = ("roberta", "bert", "gpt2", "llama")
+FAMILIES = ("roberta", "bert", "gpt2", "llama", "bing_bert")
 # Activations with one kernel each way (gelu: erf; gelu_pytorch_tanh: F.gelu(approximate="tanh")),
 # and gelu_new, Hugging Face's tanh formula written in Python (8 kernels forward).
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
@@ -53,7 +57,7 @@ ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 # today), for the llama family.
 ATTENTIONS = ("eager", "sdpa")
 FAMILY_DEFAULTS = {"roberta": (0.1, 0.1, "gelu"), "bert": (0.1, 0.1, "gelu"), "gpt2": (0.1, 0.1, "gelu_new"),
-                   "llama": (0.0, 0.0, "silu")}
+                   "llama": (0.0, 0.0, "silu"), "bing_bert": (0.1, 0.1, "gelu")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,10 @@ class TransformerConfig:
         if self.attention == "sdpa" and self.family != "llama":
             raise CommsimInputError(f"model {self.name}: attention 'sdpa' is modelled for the llama family only "
                                     f"(this model is {self.family}); use 'eager'")
+        if self.family == "bing_bert" and (self.act != "gelu" or self.p_hidden == 0 or self.p_attention == 0
+                                           or self.attention != "eager"):
+            raise CommsimInputError(f"model {self.name}: the bing_bert family is DeepSpeed's transformer kernel as "
+                                    f"trained: gelu, both dropouts active, its own attention")
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise CommsimInputError(f"model {self.name}: activation {self.activation!r} is not one of "
                                     f"{', '.join(ACTIVATIONS)}")
@@ -244,7 +252,7 @@ def describe(cfg: TransformerConfig, micro_batch: int, seq_len: int, dtype_bytes
         raise CommsimInputError(f"micro-batch must be a positive integer, got {micro_batch}")
     if seq_len <= 0:
         raise CommsimInputError(f"sequence length must be a positive integer, got {seq_len}")
-    if cfg.family in ("roberta", "bert", "gpt2") and seq_len > cfg.max_positions:
+    if cfg.family in ("roberta", "bert", "gpt2", "bing_bert") and seq_len > cfg.max_positions:
         raise CommsimInputError(
             f"model {cfg.name}: sequence length {seq_len} exceeds its {cfg.max_positions} learned positions"
         )
