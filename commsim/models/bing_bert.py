@@ -62,7 +62,9 @@ def masked_positions(seq: int) -> int:
 
 def layer_params(path: str, h: int, ffn: int) -> tuple[ParamSpec, ...]:
     shapes = ((3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (ffn, h), (ffn,), (h, ffn), (h,), (h,), (h,))
-    return tuple(ParamSpec(f"{path}.{n}", s) for n, s in zip(LAYER_PARAMS, shapes))
+    qkv, out, norm, mlp = Role.ATTENTION_QKV, Role.ATTENTION_OUT, Role.NORM, Role.MLP
+    roles = (qkv, qkv, out, out, norm, norm, mlp, mlp, mlp, mlp, norm, norm)
+    return tuple(ParamSpec(f"{path}.{n}", s, r) for n, s, r in zip(LAYER_PARAMS, shapes, roles))
 
 
 class _Kernels:

@@ -16,7 +16,7 @@ the same structure.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 from commsim.ir.ops import ComputeKind, GemmShape
@@ -46,10 +46,17 @@ class Role(enum.Enum):
     NONE = "none"  # parameter-free
 
 
+# DeepSpeedTransformerLayer's bias parameters (its names do not end in "bias")
+DEEPSPEED_LAYER_BIASES = frozenset({"attn_qkvb", "attn_ob", "attn_nb", "inter_b", "output_b", "norm_b"})
+
+
 @dataclass(frozen=True, slots=True)
 class ParamSpec:
     name: str  # canonical (first owner's) dotted name; tied parameters share it
     shape: tuple[int, ...]
+    # the category it counts toward when it differs from its module's (a fused layer's
+    # parameters: DeepSpeed's transformer kernel holds a whole layer in one module)
+    role: "Role | None" = field(default=None, compare=False)
 
     @property
     def numel(self) -> int:
@@ -175,8 +182,8 @@ class ModelDescription:
                 if p.name in seen:
                     continue
                 seen.add(p.name)
-                out[m.role.value] += p.numel
-                if p.name.endswith("bias"):
+                out[(p.role or m.role).value] += p.numel
+                if p.name.endswith("bias") or p.name.rsplit(".", 1)[-1] in DEEPSPEED_LAYER_BIASES:
                     out["biases"] += p.numel
         out["total"] = self.num_params
         return out

@@ -154,3 +154,15 @@ def test_config_json_and_bad_settings(tmp_path):
                              "hidden_act": "relu"}))
     with pytest.raises(CommsimInputError, match="bing_bert family is DeepSpeed's transformer kernel"):
         load_hf_config(p)
+
+
+def test_parameter_breakdown_splits_the_fused_layer():
+    """The layer is one module, but its parameters count toward their own categories."""
+    out = describe(SMALL, 1, 16).param_breakdown()
+    h, f, L = 64, 256, 2
+    assert out["attention_qkv"] == L * (3 * h * h + 3 * h)
+    assert out["attention_out"] == L * (h * h + h)
+    assert out["mlp"] == L * (2 * h * f + f + h)
+    assert out["other"] == 0
+    # every layer's six biases (norms' included), the embeddings' and heads' own
+    assert out["biases"] == L * (7 * h + f) + h + h + h + h + 1000 + 2 + h
