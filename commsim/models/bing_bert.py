@@ -203,8 +203,9 @@ def lower(bd: Builder) -> None:
                              after=e.accumulate("tied_grad", (c.vocab, h)) if c.tie_embeddings else Op(), saved=0)
                 bd.embedding("bert.embeddings.position_embeddings", c.max_positions, saved=0)
                 bd.embedding("bert.embeddings.token_type_embeddings", c.type_vocab, saved=0)
+                # the norm keeps its input (the sum, made here) and its statistics
                 bd.norm("bert.embeddings.LayerNorm", None, bias=True,
-                        before=e.add("add_positions", hs) + e.add("add_token_types", hs), saved=2 * t * 4)
+                        before=e.add("add_positions", hs) + e.add("add_token_types", hs), saved=t * h * a + 2 * t * 4)
                 bd.dropout("bert.embeddings.dropout", None, hs, c.p_hidden,
                            saved=(t * h if c.p_hidden > 0 else 0) + t * h * a)
             with bd.container("bert.encoder"):
@@ -238,7 +239,9 @@ def lower(bd: Builder) -> None:
                             (ParamSpec("cls.predictions.transform.dense_act.weight", (h, h)),
                              ParamSpec("cls.predictions.transform.dense_act.bias", (h,))),
                             saved=2 * t * h * a, sync_fwd=True)
-                    bd.norm("cls.predictions.transform.LayerNorm", None, bias=True, saved=2 * t * 4 + t * h * a)
+                    # keeps its statistics (its input is counted by the GELU that made it;
+                    # its output feeds index_select, which keeps only the indices)
+                    bd.norm("cls.predictions.transform.LayerNorm", None, bias=True, saved=2 * t * 4)
                 # index_select of the masked rows (backward: a zeroed (t, h) gradient and
                 # index_add), the tied decoder without bias, then + the head's bias
                 select = Op((kernel("index_select", K.ELEMENTWISE, (m, h), a, m * h * a + m * i64),),
