@@ -256,6 +256,11 @@ def describe(cfg: TransformerConfig, micro_batch: int, seq_len: int, dtype_bytes
         raise CommsimInputError(
             f"model {cfg.name}: sequence length {seq_len} exceeds its {cfg.max_positions} learned positions"
         )
+    if cfg.family == "bing_bert" and seq_len % 16:
+        # DeepSpeedTransformerFunction pads such a sequence to a multiple of 16 with
+        # random rows (transformer.py, 0.5.10 lines 180-190), which is not modelled
+        raise CommsimInputError(f"model {cfg.name}: sequence length {seq_len} is not a multiple of 16, which "
+                                f"DeepSpeed's transformer kernel pads to; use a multiple of 16")
     if cfg.family in ("gpt2", "llama") and seq_len < 2:
         raise CommsimInputError(f"model {cfg.name}: a causal LM's loss needs a sequence of at least 2 tokens")
     bd = Builder(cfg, micro_batch, seq_len, dtype_bytes, torch)

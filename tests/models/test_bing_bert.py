@@ -166,3 +166,8 @@ def test_parameter_breakdown_splits_the_fused_layer():
     assert out["other"] == 0
     # every layer's six biases (norms' included), the embeddings' and heads' own
     assert out["biases"] == L * (7 * h + f) + h + h + h + h + 1000 + 2 + h
+
+
+def test_sequence_not_a_multiple_of_16_is_refused():
+    with pytest.raises(CommsimInputError, match="not a multiple of 16"):
+        describe(SMALL, 2, 100)
