@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from math import prod
 
-from commsim.ir.ops import ComputeKind, GemmShape
+from commsim.ir.ops import ComputeKind, GemmShape, Phase
 
 
 class ModuleKind(enum.Enum):
@@ -105,6 +105,11 @@ class ModuleSpec:
     # inside a custom op, a device-to-host copy of a count, ...).
     sync_before_fwd: bool = False
     sync_before_bwd: bool = False
+
+    def syncs_before(self, phase: Phase) -> bool:
+        """Whether the host waits for the compute stream before this module's kernels of
+        ``phase`` (recompute runs the forward)."""
+        return self.sync_before_bwd if phase is Phase.BACKWARD else self.sync_before_fwd
 
     @property
     def activation_bytes(self) -> int:

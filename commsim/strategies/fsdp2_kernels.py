@@ -32,7 +32,7 @@ class FSDP2Kernels:
                 continue
             grads, new = self._grads_for(g, m) if phase is Phase.BACKWARD else ((), ())
             act = self.acts.before(mb, m, phase)
-            if m.sync_before_bwd if phase is Phase.BACKWARD else m.sync_before_fwd:
+            if m.syncs_before(phase):
                 b.sync_stream(COMPUTE, f"{mb}{m.path}.{phase.value} stream synchronize")
             for k in kernels:
                 b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)

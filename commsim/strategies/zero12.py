@@ -269,7 +269,7 @@ class Zero12Lowering:
                     b.alloc(f"grad:{p.name}", p.numel * self.dt, COMPUTE, f"gradient {p.name}")
             grads = tuple(f"grad:{p.name}" for p in m.params)
         act = self.acts.before(mb, m, e.phase)
-        if kernels and (m.sync_before_bwd if e.phase is Phase.BACKWARD else m.sync_before_fwd):
+        if kernels and m.syncs_before(e.phase):
             b.sync_stream(COMPUTE, f"{mb}{m.path}.{e.phase.value} stream synchronize")
         for k in kernels:
             b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)

@@ -115,7 +115,7 @@ class Zero3Lowering:
         backward = e.phase is Phase.BACKWARD and bool(m.bwd)
         grads = self.grads.before_backward(m) if backward else ()
         act = self.acts.before(mb, m, e.phase)
-        if self._kernels(e) and (m.sync_before_bwd if e.phase is Phase.BACKWARD else m.sync_before_fwd):
+        if self._kernels(e) and m.syncs_before(e.phase):
             b.sync_stream(COMPUTE, f"{mb}{m.path}.{e.phase.value} stream synchronize")
         for j, k in enumerate(self._kernels(e)):
             b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
