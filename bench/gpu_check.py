@@ -19,7 +19,12 @@ On a machine with a CUDA GPU, in under 8 minutes, it:
    and the 90th percentile of the absolute error) and for the step, and compares the
    simulated caching allocator's peak reserved memory and retries with
    ``torch.cuda.memory_stats`` of the run (less the memory the executor holds beyond
-   the schedule's buffers).
+   the schedule's buffers);
+6. times the host's round trips that old DeepSpeed's synchronising code is made of (a
+   small kernel then ``.item()``, a pageable ``torch.ones(1).to("cuda")``, a synchronize
+   of an idle device, a small op's launch) beside the constants commsim prices them with
+   (``gpu_kernels.SMALL_COPY_LATENCY_NS``, the p4d A100's ``kernel_overhead_ns``, the
+   launch in ``knobs.HOST_COSTS``).
 
 It prints one summary line per check (``name: ...``) and exits 0 when every check ran,
 1 when one failed or the time ran out (``--timeout`` seconds for all of them), 2
@@ -139,6 +144,49 @@ def error_line(errors: dict[str, list[float]]) -> str:
 
 def rel(a: float, b: float) -> str:
     return f"{(a - b) / b:+.1%}" if b else "n/a"
+
+
+# ---------------------------------------------------------------- host round trips
+def round_trips_us(torch, repeats: int = 200) -> dict[str, float]:
+    """Median microseconds, on the current CUDA device, of: a one-element kernel then
+    ``.item()`` (launch, kernel, device-to-host copy, the host's wait); a pageable
+    ``torch.ones(1).to("cuda")`` (PyTorch waits for a blocking copy); a synchronize of an
+    idle device; and the host time of one small op's launch, from ``repeats`` launched
+    back to back."""
+    x = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+
+    def median_us(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t)
+        return statistics.median(times) / 1e3
+
+    out = {"kernel_then_item": median_us(lambda: x.add_(1).item()),
+           "pageable_h2d": median_us(lambda: torch.ones(1).to("cuda")),
+           "idle_synchronize": median_us(torch.cuda.synchronize)}
+    t = time.perf_counter_ns()
+    for _ in range(repeats):
+        x.add_(1)
+    out["launch"] = (time.perf_counter_ns() - t) / repeats / 1e3
+    torch.cuda.synchronize()
+    return out
+
+
+def round_trip_line(us: dict[str, float], device: str) -> str:
+    """The round trips beside the constants commsim prices them with."""
+    from commsim.hardware.gpu_kernels import SMALL_COPY_LATENCY_NS
+    from commsim.hardware.specs import NODE_PRESETS
+    from commsim.strategies.knobs import host_costs_for
+
+    copy, kern = SMALL_COPY_LATENCY_NS / 1e3, NODE_PRESETS["p4d"].gpu.kernel_overhead_ns / 1e3
+    launch = host_costs_for("0.19.8").launch_ns / 1e3
+    return (f"{device}: kernel then .item() {us['kernel_then_item']:.1f} us (commsim: launch {launch:.1f} + kernel "
+            f"{kern:.1f} + small copy {copy:.1f} us); pageable torch.ones(1).to(cuda) {us['pageable_h2d']:.1f} us "
+            f"(small copy {copy:.1f} us); idle synchronize {us['idle_synchronize']:.1f} us; a small op's launch "
+            f"{us['launch']:.1f} us on the host (commsim's p4d: {launch:.1f} us)")
 
 
 # ---------------------------------------------------------------- presets
@@ -336,6 +384,12 @@ def run_checks(args: argparse.Namespace, work: Path) -> int:
     if not args.cpu:
         check("ops vs the preset", ops("preset"), ("predict with the preset",))
     check("memory", memory, ("execute", "predict with the profile"))
+    if args.cpu:
+        print("host round trips: none (CPU rehearsal)", flush=True)
+    else:
+        import torch
+
+        check("host round trips", lambda: round_trip_line(round_trips_us(torch), torch.cuda.get_device_name()))
     return 1 if failed else 0
 
 

@@ -24,12 +24,13 @@ def test_the_cpu_rehearsal_runs_every_check(tmp_path):
     lines = out.stdout.strip().splitlines()
     names = [ln.split(":", 1)[0] for ln in lines]
     assert names == ["schedule", "calibrate", "execute", "check-data", "predict with the profile",
-                     "predict with the preset", "ops vs the profile", "memory"]
+                     "predict with the preset", "ops vs the profile", "memory", "host round trips"]
     assert "FAILED" not in out.stdout and "skipped (needs" not in out.stdout
     assert lines[1].startswith("calibrate: ") and " on CPU" in lines[1]
     assert lines[3].startswith("check-data: every collective's result exact (tiny model, bf16, ")
     assert "vs measured" in lines[4] and "gemm " in lines[6] and "[kind median error / p90 |error| (ops)]" in lines[6]
     assert lines[7].startswith("memory: skipped: no caching allocator on this backend (gloo)")
+    assert lines[8] == "host round trips: none (CPU rehearsal)"
     assert {p.name for p in tmp_path.iterdir()} >= {"schedule.json", "profile.json", "measured.json", "checked.json"}
 
 
@@ -83,3 +84,49 @@ def test_per_op_errors_by_kind():
     assert gc.p90([0.1, 0.2, 0.3]) == 0.3 and gc.p90([0.5]) == 0.5
     assert gc.error_line(errs) == ("gemm -1% / 10% (n=2); all_gather -50% / 50% (n=1)  "
                                    "[kind median error / p90 |error| (ops)]")
+
+
+def test_the_round_trip_line_names_the_constants_it_checks():
+    from commsim.hardware.gpu_kernels import SMALL_COPY_LATENCY_NS
+    from commsim.hardware.specs import NODE_PRESETS
+    from commsim.strategies.knobs import host_costs_for
+
+    gc = _module()
+    line = gc.round_trip_line({"kernel_then_item": 21.04, "pageable_h2d": 12.0, "idle_synchronize": 3.0,
+                               "launch": 5.54}, "NVIDIA H200")
+    copy, launch = SMALL_COPY_LATENCY_NS / 1e3, host_costs_for("0.19.8").launch_ns / 1e3
+    kern = NODE_PRESETS["p4d"].gpu.kernel_overhead_ns / 1e3
+    assert line == (f"NVIDIA H200: kernel then .item() 21.0 us (commsim: launch {launch:.1f} + kernel {kern:.1f} + small "
+                    f"copy {copy:.1f} us); pageable torch.ones(1).to(cuda) 12.0 us (small copy {copy:.1f} us); idle "
+                    f"synchronize 3.0 us; a small op's launch 5.5 us on the host (commsim's p4d: {launch:.1f} us)")
+
+
+def test_round_trips_time_what_they_name():
+    # a stand-in torch that counts the calls: the timing loop's code runs here
+    from types import SimpleNamespace
+
+    calls = {"add_": 0, "item": 0, "to": 0, "synchronize": 0}
+
+    class T:
+        def add_(self, v):
+            calls["add_"] += 1
+            return self
+
+        def item(self):
+            calls["item"] += 1
+            return 0.0
+
+        def to(self, device):
+            assert device == "cuda"
+            calls["to"] += 1
+            return self
+
+    def synchronize():
+        calls["synchronize"] += 1
+
+    fake = SimpleNamespace(zeros=lambda n, device: T(), ones=lambda n: T(), cuda=SimpleNamespace(synchronize=synchronize))
+    us = _module().round_trips_us(fake, repeats=5)
+    assert set(us) == {"kernel_then_item", "pageable_h2d", "idle_synchronize", "launch"}
+    assert all(v >= 0 for v in us.values())
+    # 5 kernel+item, 5 pageable copies, 5 timed synchronizes and one before and after, 5 launches
+    assert calls == {"add_": 10, "item": 5, "to": 5, "synchronize": 7}
