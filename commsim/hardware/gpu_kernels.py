@@ -45,7 +45,11 @@ GEMM_TILE = 128  # cuBLAS tensor-core CTA tile edge for large bf16 GEMMs
 # of 8) and 398.4 with d_ff 10944: a misaligned GEMM runs at 0.684 of an aligned one.
 GEMM_MISALIGNED = 272.7 / 398.4
 ALIGN_BYTES = 16
-SMALL_COPY_LATENCY_NS = 10 * US  # a small cudaMemcpy across PCIe, end to end
+# A small cudaMemcpy across PCIe, end to end. An estimate that no item of
+# published-runs.md or measurement here gives yet: bench/gpu_check.py's "host round
+# trips" line measures it (a pageable one-element copy, .item() after a kernel) when a
+# GPU is at hand; until then it is the one copy constant without a source.
+SMALL_COPY_LATENCY_NS = 10 * US
 
 _PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
 
