@@ -5,7 +5,6 @@ refuses to run on a Python that runs commsim itself."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import inspect
 import subprocess
 import sys
@@ -17,14 +16,14 @@ from commsim.models.transformer import TransformerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "ds_host_old_python.py"
+sys.path.insert(0, str(ROOT / "bench"))
+
+import ds_host_old_python  # noqa: E402  (importing defines; main() alone patches sys.modules)
 
 
 @pytest.fixture(scope="module")
 def old():
-    spec = importlib.util.spec_from_file_location("ds_host_old_python", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # defines; main() alone patches sys.modules
-    return module
+    return ds_host_old_python
 
 
 def test_stand_in_takes_the_real_fields_in_order_with_their_defaults(old):
