@@ -54,6 +54,9 @@ class Scenario:
     mode: str = "auto"
     seed: int = 0
     jitter: float | None = None
+    # relative sd of each host op's time, independent per op and rank (None: the platform's,
+    # 0 on every preset until measured): every synchronisation waits for the latest rank
+    host_jitter: float | None = None
     host_costs: Any = None  # HostCosts overriding the defaults / the profile's measured ones
     extrapolate: bool = False  # let a profile price groups larger than (or placed unlike) those it measured
     host_heap: bool = False  # a framework's CPU tensors through the model of glibc's heap (SimConfig.host_heap)
@@ -294,11 +297,14 @@ def predict(sc: Scenario) -> Prediction:
         sources += (f"host costs: {host_costs_used(sc, schedule)}",)
     if sc.jitter is not None and sc.jitter < 0:
         raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
+    if sc.host_jitter is not None and not 0 <= sc.host_jitter < 1:
+        raise CommsimInputError(f"--host-jitter {sc.host_jitter}: a relative standard deviation in [0, 1)")
     if sc.host_heap and cost.fresh_page_ns_per_byte() is None:
         raise CommsimInputError("--host-heap: models a framework's tensors on CPUs; it needs a CPU (gloo) "
                                 "--hw-profile and --runner framework")
     try:
-        sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap))
+        sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap,
+                                                  host_jitter=sc.host_jitter))
     except ValueError as e:
         raise CommsimInputError(f"--mode {sc.mode}: {e}") from None
     result = simulate(sim)
@@ -334,7 +340,8 @@ def _per_rank_after_flushes(schedule: Schedule, cost, sc: Scenario, info: StepIn
         return sym_result, sym, note
     print(f"commsim: {flushes}; simulating each of the {n} ranks (a flush on one rank stalls every collective "
           "it joins) ...", file=sys.stderr, flush=True)
-    sim = Simulator(schedule, cost, SimConfig(mode="per-rank", seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap))
+    sim = Simulator(schedule, cost, SimConfig(mode="per-rank", seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap,
+                                        host_jitter=sc.host_jitter))
     result = simulate(sim)
     note = (f"mode: per-rank because {flushes}: a flush on one rank stalls every collective it joins "
             f"(symmetric step {sym.step_time_s:.3f} s)")
@@ -363,7 +370,8 @@ def scenario_from_args(args: Any) -> Scenario:
         stage=args.stage, preset=args.preset,
         knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
         checkpointing=not args.no_checkpointing, checkpoint_style=args.checkpoint_style, schedule=args.schedule, hw_profile=args.hw_profile,
-        mode=args.mode, seed=args.seed, jitter=args.jitter, extrapolate=getattr(args, "extrapolate", False),
+        mode=args.mode, seed=args.seed, jitter=args.jitter, host_jitter=getattr(args, "host_jitter", None),
+        extrapolate=getattr(args, "extrapolate", False),
         runner=getattr(args, "runner", "framework"), host_heap=getattr(args, "host_heap", False),
     )
 

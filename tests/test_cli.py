@@ -447,3 +447,22 @@ def test_more_gpus_per_node_than_the_preset_is_a_warned_what_if():
     out = run("schedule", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "2",
               "--seq", "16")
     assert out.returncode == 0 and out.stderr == ""  # part of a node is ordinary
+
+
+def test_host_jitter_reaches_the_simulation_and_is_reported():
+    args = ("--model", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "64",
+            "--preset", "baseline")
+    still, jittery = predict_json(*args), predict_json(*args, "--host-jitter", "0.5")
+    assert (still["host_jitter"], jittery["host_jitter"]) == (0.0, 0.5)
+    # 0.5.10 synchronises at every fetch: each later collective waits for the latest rank
+    assert jittery["step_time_s"] > still["step_time_s"]
+    text = run("predict", *args, "--host-jitter", "0.5")
+    assert text.returncode == 0, text.stderr
+    assert "; host jitter 50.0% (each host op's sd: every collective after a synchronisation waits for the latest " \
+           "rank, shown as straggler time); seed 0" in text.stdout
+    assert "host jitter" not in run("predict", *args).stdout
+    for bad in ("1.5", "-0.1"):
+        out = run("predict", *args, "--host-jitter", bad)
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr.strip().splitlines() == [f"commsim: error: --host-jitter {float(bad)}: a relative standard "
+                                                   "deviation in [0, 1)"]

@@ -114,7 +114,7 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    "across nodes when it measured one node) from its nearest measured group, with a warning, instead "
                    "of refusing the scenario")
     if not simulation:  # symmetric simulation, as the search compares configs, not noise
-        p.set_defaults(mode="auto", seed=0, jitter=None)
+        p.set_defaults(mode="auto", seed=0, jitter=None, host_jitter=None)
         return
     p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto",
                    help="symmetric: simulate one rank for identical ranks (fast); per-rank: every rank, with "
@@ -125,6 +125,10 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
     p.add_argument("--seed", type=int, default=0, help="seed of the per-rank jitter RNG (default 0)")
     p.add_argument("--jitter", type=float,
                    help="relative std-dev of compute kernel times per rank (default 0.01 per-rank, 0 symmetric)")
+    p.add_argument("--host-jitter", type=float, metavar="SD",
+                   help="relative std-dev of each host op's time (the framework's Python, the OS), independent per "
+                   "op and rank: every collective after a synchronisation waits for the latest rank's host, which "
+                   "grows with the ranks (default: the platform's; 0 on every GPU preset, not yet measured there)")
 
 
 def check_outputs(*outputs: tuple[str, str | None]) -> None:

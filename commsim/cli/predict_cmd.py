@@ -22,6 +22,9 @@ def report_lines(pred, seed: int) -> list[str]:
     out.extend(pred.sources)
     mode = ("symmetric: one rank simulated for identical ranks" if m.mode == "symmetric"
             else f"per-rank: {len(pred.result.ranks)} ranks simulated, jitter {m.jitter:.1%}")
+    if m.host_jitter:
+        mode += (f"; host jitter {m.host_jitter:.1%} (each host op's sd: every collective after a synchronisation "
+                 "waits for the latest rank, shown as straggler time)")
     if pred.result.cpu_sharing:
         mode += f"; {pred.result.cpu_sharing}"
     if m.step_time_samples_s:

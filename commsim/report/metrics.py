@@ -195,6 +195,7 @@ class Metrics:
     # ranks' stalls (per second of work, stall time per unit of work); (0, 0): none
     rank_stalls: tuple[float, float] = (0.0, 0.0)
     step_time_samples_s: tuple[float, ...] = ()
+    host_jitter: float = 0.0  # relative sd of each host op's time (0: hosts run like clockwork)
 
     def to_json(self) -> dict:
         """The fields, with a figure that does not exist (NaN: no tokens, no step) as null,
@@ -248,4 +249,5 @@ def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) 
         rank_noise_slow=(result.rank_noise_slow[0], result.rank_noise_slow[1] / 1e9),
         rank_stalls=result.rank_stalls,
         step_time_samples_s=tuple(t / 1e9 for t in result.step_samples_ns),
+        host_jitter=result.host_jitter,
     )

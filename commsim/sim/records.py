@@ -120,6 +120,7 @@ class SimResult:
     oom: str | None = None
     seed: int = 0
     jitter: float = 0.0
+    host_jitter: float = 0.0  # the relative sd of host ops' times the run drew or priced
     cpu_sharing: str = ""  # with more ranks than cores: how the simulated scheduler shared them
     rank_noise: tuple[float, int] = (0.0, 0)  # (sd, correlation ns) of the ranks' speed drift
     rank_noise_slow: tuple[float, int] = (0.0, 0)  # its slower second component, where measured
