@@ -29,6 +29,7 @@ from commsim.profile_use import cost_model, check_profile_fits, host_costs_used
 from commsim.scenario_defaults import bf16_warning, default_ds_config, default_fsdp_config, default_half
 from commsim.report.metrics import Metrics, StepInfo, compute_metrics, step_info
 from commsim.sim.engine import SimConfig, SimResult, Simulator, simulate
+from commsim.sim.host_gc import parse_host_gc
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class Scenario:
     # relative sd of each host op's time, independent per op and rank (None: the platform's,
     # 0 on every preset until measured): every synchronisation waits for the latest rank
     host_jitter: float | None = None
+    # each rank's full garbage collections, "PERIOD_STEPS:PAUSE_MS" (commsim.sim.host_gc);
+    # None: none, as a loop that turned the collector off
+    host_gc: str | None = None
     host_costs: Any = None  # HostCosts overriding the defaults / the profile's measured ones
     extrapolate: bool = False  # let a profile price groups larger than (or placed unlike) those it measured
     host_heap: bool = False  # a framework's CPU tensors through the model of glibc's heap (SimConfig.host_heap)
@@ -299,12 +303,16 @@ def predict(sc: Scenario) -> Prediction:
         raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
     if sc.host_jitter is not None and not 0 <= sc.host_jitter < 1:
         raise CommsimInputError(f"--host-jitter {sc.host_jitter}: a relative standard deviation in [0, 1)")
+    try:
+        host_gc = parse_host_gc(sc.host_gc) if sc.host_gc is not None else None
+    except ValueError as e:
+        raise CommsimInputError(f"--host-gc {e}") from None
     if sc.host_heap and cost.fresh_page_ns_per_byte() is None:
         raise CommsimInputError("--host-heap: models a framework's tensors on CPUs; it needs a CPU (gloo) "
                                 "--hw-profile and --runner framework")
     try:
         sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap,
-                                                  host_jitter=sc.host_jitter))
+                                                  host_jitter=sc.host_jitter, host_gc=host_gc))
     except ValueError as e:
         raise CommsimInputError(f"--mode {sc.mode}: {e}") from None
     result = simulate(sim)
@@ -341,7 +349,8 @@ def _per_rank_after_flushes(schedule: Schedule, cost, sc: Scenario, info: StepIn
     print(f"commsim: {flushes}; simulating each of the {n} ranks (a flush on one rank stalls every collective "
           "it joins) ...", file=sys.stderr, flush=True)
     sim = Simulator(schedule, cost, SimConfig(mode="per-rank", seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap,
-                                        host_jitter=sc.host_jitter))
+                                        host_jitter=sc.host_jitter,
+                                        host_gc=parse_host_gc(sc.host_gc) if sc.host_gc else None))
     result = simulate(sim)
     note = (f"mode: per-rank because {flushes}: a flush on one rank stalls every collective it joins "
             f"(symmetric step {sym.step_time_s:.3f} s)")
@@ -371,6 +380,7 @@ def scenario_from_args(args: Any) -> Scenario:
         knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
         checkpointing=not args.no_checkpointing, checkpoint_style=args.checkpoint_style, schedule=args.schedule, hw_profile=args.hw_profile,
         mode=args.mode, seed=args.seed, jitter=args.jitter, host_jitter=getattr(args, "host_jitter", None),
+        host_gc=getattr(args, "host_gc", None),
         extrapolate=getattr(args, "extrapolate", False),
         runner=getattr(args, "runner", "framework"), host_heap=getattr(args, "host_heap", False),
     )

@@ -466,3 +466,21 @@ def test_host_jitter_reaches_the_simulation_and_is_reported():
         assert out.returncode == 2 and out.stdout == ""
         assert out.stderr.strip().splitlines() == [f"commsim: error: --host-jitter {float(bad)}: a relative standard "
                                                    "deviation in [0, 1)"]
+
+
+def test_host_gc_stops_every_rank_for_each_ranks_pass():
+    args = ("--model", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "64",
+            "--preset", "baseline")
+    still, gc = predict_json(*args), predict_json(*args, "--host-gc", "4:50")
+    assert still["host_gc"] is None and gc["host_gc"] == [4.0, 0.05]
+    # 4 ranks each passing every 4 steps, 50 ms a pass, 0.5.10 synchronising at every fetch:
+    # about one 50 ms stop a step (a little less: two passes in one op count once)
+    assert 0.045 < gc["step_time_s"] - still["step_time_s"] <= 0.05
+    text = run("predict", *args, "--host-gc", "4:50")
+    assert "; a full garbage collection every 4 steps per rank, 50 ms (the others wait for it at their next " \
+           f"collective), {gc['host_gc_pause_s']:.3f} s of host time a step (every rank's passes); seed 0" in text.stdout
+    assert gc["host_gc_pause_s"] == pytest.approx(gc["step_time_s"] - still["step_time_s"], rel=0.05)
+    out = run("predict", *args, "--host-gc", "50")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == ["commsim: error: --host-gc '50': PERIOD_STEPS:PAUSE_MS, a positive "
+                                               "number of steps and a non-negative pause in ms, e.g. 30:200"]

@@ -114,7 +114,7 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    "across nodes when it measured one node) from its nearest measured group, with a warning, instead "
                    "of refusing the scenario")
     if not simulation:  # symmetric simulation, as the search compares configs, not noise
-        p.set_defaults(mode="auto", seed=0, jitter=None, host_jitter=None)
+        p.set_defaults(mode="auto", seed=0, jitter=None, host_jitter=None, host_gc=None)
         return
     p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto",
                    help="symmetric: simulate one rank for identical ranks (fast); per-rank: every rank, with "
@@ -129,6 +129,11 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    help="relative std-dev of each host op's time (the framework's Python, the OS), independent per "
                    "op and rank: every collective after a synchronisation waits for the latest rank's host, which "
                    "grows with the ranks (default: the platform's; 0 on every GPU preset, not yet measured there)")
+    p.add_argument("--host-gc", metavar="PERIOD_STEPS:PAUSE_MS",
+                   help="each rank's Python runs a full garbage collection every PERIOD_STEPS steps of its host "
+                   "work, at its own phase, stopping its host PAUSE_MS; the others wait for it at their next "
+                   "collective (bench/gc_pauses.py measures both for a DeepSpeed release; default: none, as a loop "
+                   "that turned the collector off and collects on every rank at once)")
 
 
 def check_outputs(*outputs: tuple[str, str | None]) -> None:

@@ -336,6 +336,7 @@ class Simulator:
         step = max((s.result.end_ns for s in sims.values()), default=0)
         return SimResult(self.mode, {r: s.result for r, s in sims.items()}, step, oom=self.oom,
                          seed=self.config.seed, jitter=self.jitter, host_jitter=self.host_jitter,
+                         host_gc=self.config.host_gc,
                          cpu_sharing=self.cpu_sharing,
                          rank_noise=self.rank_noise, rank_noise_slow=self.rank_noise_slow,
                          rank_stalls=(self.rank_stalls.rate_per_s, self.rank_stalls.loss))

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import simpy
 
 from commsim.hardware.sharing import IDLE
+from commsim.sim.host_gc import GcClock
 from commsim.sim.lateness import HostLateness
 from commsim.ir import ops as O
 from commsim.sim.allocator import Block
@@ -93,6 +94,14 @@ class RankSim(RankMemory, RankSpeed):
         self.host_sd = sim.host_jitter
         self.host_rng = random.Random(sim.config.seed * 7_919 + rank + 1)
         self.lateness = HostLateness(sim.host_jitter) if sim.host_jitter and sim.mode == "symmetric" else None
+        # full garbage collections (host_gc), a period in steps of this rank's host work:
+        # per-rank mode draws its own phase and pauses; symmetric mode adds to each host op
+        # the expected pause of whichever of the job's ranks passes during it
+        gc = sim.config.host_gc
+        work = sum(op.duration_ns for op in self.program.step if isinstance(op, O.HostWork)) if gc else 0
+        self.gc_clock = GcClock(gc, work, random.Random(sim.config.seed * 15_485_863 + rank + 3)) \
+            if gc and sim.mode != "symmetric" else None
+        self.gc_expected = (gc, work, sim.schedule.world_size) if gc and sim.mode == "symmetric" else None
         # the node's time-sliced cores, when the simulator runs the OS scheduler (CPU
         # platforms with more ranks than cores); None: the host thread needs no core
         self.cpu: CpuScheduler | None = sim.cpus.get(self.node)

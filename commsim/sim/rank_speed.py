@@ -2,8 +2,9 @@
 clockwork. A kernel jittered per op (``SimConfig.jitter``); every kernel, copy and
 collective call scaled by the rank's speed drift (an Ornstein-Uhlenbeck process of log
 speed, ``RankDrift``); every piece of the rank's thread's work given the stalls that
-arrive during it (``RankStalls``); a host op drawn with the host jitter (per-rank mode)
-or kept for the lateness of the next collective (symmetric mode). Each keeps the op's
+arrive during it (``RankStalls``); a host op drawn with the host jitter and stopped by the rank's full
+garbage collections (per-rank mode) or kept for the lateness of the next collective
+(symmetric mode). Each keeps the op's
 mean. A framework's Python after its rank's collectives is priced cold first
 (``CostModel.framework_python_ns``). A mixin of ``rank.RankSim``, whose state it uses."""
 
@@ -13,6 +14,7 @@ from math import exp
 
 from commsim.ir import ops as O
 from commsim.hardware.noise import ou_window_var
+from commsim.sim.host_gc import expected_pause_ns
 
 # host work that is a framework's own Python: its cost was timed back to back, and a
 # collective between two of its calls takes its cores and caches (framework_python_ns)
@@ -68,11 +70,22 @@ class RankSpeed:
 
     def _host_ns(self, duration_ns: int) -> int:
         """A host op's time on this rank: drawn (per-rank mode) or its mean, its variance
-        kept for the lateness of the next collective (symmetric mode)."""
+        and work kept for the lateness of the next collective (symmetric mode); in
+        per-rank mode with the full garbage collections its work runs into (host_gc)."""
         sd = self.host_sd
         if not sd:
-            return self._stalled(duration_ns)
-        if self.lateness is not None:
+            dur = self._stalled(duration_ns)
+        elif self.lateness is not None:
             self.lateness.add(duration_ns)
-            return duration_ns
-        return self._stalled(max(0, int(duration_ns * exp(self.host_rng.gauss(0.0, sd) - sd * sd / 2))))
+            dur = duration_ns
+        else:
+            dur = self._stalled(max(0, int(duration_ns * exp(self.host_rng.gauss(0.0, sd) - sd * sd / 2))))
+        pause = 0
+        if self.gc_clock is not None:
+            pause = self.gc_clock.advance(duration_ns)
+        elif self.gc_expected is not None:
+            gc, work, ranks = self.gc_expected
+            pause = expected_pause_ns(gc, duration_ns, work, ranks)
+        if pause:
+            self.result.gc_pause_ns += pause
+        return dur + pause

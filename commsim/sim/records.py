@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from commsim.ir import ops as O
 from commsim.sim.allocator import CachingAllocator
+from commsim.sim.host_gc import HostGc
 
 HOST = "host"  # the stream name under which a rank's host ops are recorded
 
@@ -41,6 +42,10 @@ class SimConfig:
     # draws it; symmetric mode adds the expected lateness of a collective's slowest member
     # (order statistics, see rank.py).
     host_jitter: float | None = None
+    # Each rank's full garbage collections (host_gc.HostGc: a pause every so many steps of
+    # its host work, at its own phase). None: none, as in a loop that turned the
+    # collector off and collects on every rank at once.
+    host_gc: HostGc | None = None
     launch_queue_depth: int = 1024  # CUDA's pending-launch queue holds about 1024 kernels
     alloc_hit_ns: int = 1_000  # caching-allocator hit: about 1 us of host time (allocator.md)
     keep_trace: bool = True
@@ -87,9 +92,13 @@ class RankResult:
     # of the large blocks' fresh pages, those the guest had reported to its hypervisor
     # (sim.returned_pages), by phase
     reported_page_bytes: dict[str, int] = field(default_factory=dict)
+    # host time the ranks' full garbage collections added to this rank's host ops (host_gc):
+    # its own passes (per-rank mode), or the expected passes of every rank (symmetric)
+    gc_pause_ns: int = 0
 
     def clear(self) -> None:
         """Forget the warm-up: the measured step starts now."""
+        self.gc_pause_ns = 0
         self.fresh_page_bytes.clear()
         self.reported_page_bytes.clear()
         self.records.clear()
@@ -121,6 +130,7 @@ class SimResult:
     seed: int = 0
     jitter: float = 0.0
     host_jitter: float = 0.0  # the relative sd of host ops' times the run drew or priced
+    host_gc: HostGc | None = None  # the ranks' full garbage collections it drew or priced
     cpu_sharing: str = ""  # with more ranks than cores: how the simulated scheduler shared them
     rank_noise: tuple[float, int] = (0.0, 0)  # (sd, correlation ns) of the ranks' speed drift
     rank_noise_slow: tuple[float, int] = (0.0, 0)  # its slower second component, where measured

@@ -1,0 +1,94 @@
+"""Python's full garbage-collection passes as host stalls, one rank at a time.
+
+Each rank runs its own interpreter, and CPython's collector runs its full pass (every
+tracked object visited) once the objects promoted to its oldest generation since the
+last one exceed a quarter of those that survived it (gcmodule.c; the thresholds
+gc.get_threshold() gives). In a training loop the promotions come from the step's own
+allocations, so a rank passes every ``period_steps`` steps' worth of its host work and
+stops its host for ``pause_ns`` each time (``bench/gc_pauses.py`` measures both for a
+DeepSpeed release; traces/README.md, "GC pauses"). The ranks' passes are not aligned:
+each has its own phase in the period. A rank's pause delays every collective it joins
+after it, unless its host was far enough ahead of its device to absorb it.
+
+Per-rank mode draws each rank's phase and stops its host where its work crosses a
+trigger (``GcClock``). Symmetric mode, one rank standing for all, adds to each host op
+the expected pause of whichever of the job's n ranks passes during it
+(``expected_pause_ns``): with ``w`` of host work in the op and ``p = w / (period x work
+per step)``, every rank passes floor(p) times for sure and once more with probability
+frac(p), so the latest of n pays ``pause x (floor(p) + 1 - (1 - frac(p))^n)``. Summed
+over a step that is about n x pause / period: every rank's pass stops the job once,
+unless the host had run far enough ahead of its device to absorb it, which the
+simulation of the host's op then decides as it does for any host op. It counts two
+ranks' passes that fall between the same two collectives twice where a real job pays
+one, so it runs a little high when passes are that frequent; per-rank mode has no such
+approximation, and the two agree within that (tests/sim/test_host_gc.py). Training loops of today avoid the cost by turning the
+collector off and collecting on every rank at the same step (torchtitan's
+``GarbageCollection``); the default is no pass at all, as for such a loop.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from math import floor
+
+
+@dataclass(frozen=True, slots=True)
+class HostGc:
+    """A rank's full collections: one every ``period_steps`` steps of host work, each
+    stopping its host for ``pause_ns``."""
+
+    period_steps: float
+    pause_ns: int
+
+    def __post_init__(self) -> None:
+        if not self.period_steps > 0 or self.pause_ns < 0:
+            raise ValueError(f"host GC every {self.period_steps} steps, {self.pause_ns} ns: the period must be "
+                             "positive and the pause non-negative")
+
+
+def expected_pause_ns(gc: HostGc, work_ns: float, work_per_step_ns: float, ranks: int) -> int:
+    """Expected pause of the latest of ``ranks`` ranks that each did ``work_ns`` of host
+    work since they last waited for one another, each with its own uniform phase."""
+    if work_ns <= 0 or work_per_step_ns <= 0 or ranks < 1 or not gc.pause_ns:
+        return 0
+    p = work_ns / (gc.period_steps * work_per_step_ns)
+    whole = floor(p)
+    return round(gc.pause_ns * (whole + 1 - (1 - (p - whole)) ** ranks))
+
+
+class GcClock:
+    """One rank's collector in per-rank mode: its phase drawn once, then a pause each
+    time its host work crosses a multiple of the period (in ns of work)."""
+
+    __slots__ = ("gc", "period_ns", "next_ns", "done_ns")
+
+    def __init__(self, gc: HostGc, work_per_step_ns: float, rng: random.Random):
+        self.gc = gc
+        self.period_ns = gc.period_steps * work_per_step_ns
+        self.next_ns = rng.uniform(0.0, self.period_ns) if self.period_ns > 0 else float("inf")
+        self.done_ns = 0.0
+
+    def advance(self, work_ns: int) -> int:
+        """The pause (ns) this much more host work runs into."""
+        if self.period_ns <= 0:
+            return 0
+        self.done_ns += work_ns
+        pause = 0
+        while self.done_ns >= self.next_ns:
+            pause += self.gc.pause_ns
+            self.next_ns += self.period_ns
+        return pause
+
+
+def parse_host_gc(text: str) -> HostGc:
+    """``PERIOD_STEPS:PAUSE_MS`` (e.g. ``30:200``) as a HostGc; ValueError naming what is wrong."""
+    period, sep, pause = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        gc = HostGc(float(period), int(round(float(pause) * 1e6)))
+    except ValueError:
+        raise ValueError(f"{text!r}: PERIOD_STEPS:PAUSE_MS, a positive number of steps and a non-negative pause "
+                         "in ms, e.g. 30:200") from None
+    return gc

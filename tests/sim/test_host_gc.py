@@ -1,0 +1,78 @@
+"""Full garbage collections as per-rank host stalls: a rank's clock pauses where its work
+crosses its period, symmetric mode adds the expected pause of the latest rank, and the
+two modes agree."""
+
+import random
+import statistics
+
+import pytest
+
+from commsim.sim.engine import SimConfig, Simulator
+from commsim.sim.host_gc import GcClock, HostGc, expected_pause_ns, parse_host_gc
+from tests.sim.fixed_costs import FixedCosts
+from tests.sim.test_lateness import _cycles
+
+
+def test_expected_pause_of_the_latest_rank():
+    gc = HostGc(period_steps=10, pause_ns=1_000_000)
+    # a tenth of a period: each rank passes with probability 0.1
+    assert expected_pause_ns(gc, 100, 100, 1) == 100_000
+    assert expected_pause_ns(gc, 100, 100, 16) == round(1e6 * (1 - 0.9 ** 16))
+    # two and a half periods: two passes for sure, a third with probability 0.5
+    assert expected_pause_ns(gc, 2_500, 100, 4) == round(1e6 * (2 + 1 - 0.5 ** 4))
+    assert expected_pause_ns(gc, 0, 100, 64) == 0 and expected_pause_ns(gc, 100, 0, 64) == 0
+    assert expected_pause_ns(HostGc(10, 0), 100, 100, 64) == 0
+
+
+def test_a_ranks_clock_pauses_once_a_period_from_its_phase():
+    rng = random.Random(5)
+    phase = random.Random(5).uniform(0.0, 3 * 1000)
+    clock = GcClock(HostGc(3, 7), 1000, rng)  # a pass every 3000 ns of work
+    pauses = [clock.advance(100) for _ in range(120)]  # 12000 ns of work
+    hits = [i for i, p in enumerate(pauses) if p]
+    assert all(pauses[i] == 7 for i in hits) and len(hits) == 4
+    assert hits[0] == int(phase // 100) - (phase % 100 == 0)  # the op whose work crosses the phase
+    assert [b - a for a, b in zip(hits, hits[1:])] == [30, 30, 30]
+    assert GcClock(HostGc(3, 7), 0, rng).advance(10**9) == 0  # no host work: no clock
+
+
+def test_parse_and_refuse():
+    assert parse_host_gc("30:200") == HostGc(30.0, 200_000_000)
+    assert parse_host_gc("2.5:0.5") == HostGc(2.5, 500_000)
+    for bad in ("30", "0:200", "-1:5", "30:-1", "x:1", "30:y", "nan:5"):
+        with pytest.raises(ValueError, match="PERIOD_STEPS:PAUSE_MS"):
+            parse_host_gc(bad)
+
+
+def test_symmetric_expected_pause_agrees_with_every_rank_drawn():
+    # 30 cycles of four 1 ms host ops, the ranks waiting for one another every cycle; a
+    # 2 ms pass every 4 steps of host work: each op is 1/480 of a period
+    sched = _cycles(16)
+    gc = HostGc(period_steps=4, pause_ns=2_000_000)
+    quiet = Simulator(sched, FixedCosts(), SimConfig(mode="symmetric")).run().step_time_ns
+    sym = Simulator(sched, FixedCosts(), SimConfig(mode="symmetric", host_gc=gc)).run()
+    drawn = [Simulator(sched, FixedCosts(), SimConfig(mode="per-rank", host_gc=gc, jitter=0.0, seed=s)).run()
+             for s in range(100)]
+    per_op = round(2e6 * (1 - (1 - 1 / 480) ** 16))
+    assert sym.step_time_ns - quiet == 120 * per_op
+    assert sym.ranks[0].gc_pause_ns == 120 * per_op and sym.host_gc == gc
+    # drawn: each cycle pays one pause if any of the 16 ranks passed in it (1/120 each),
+    # 4% less than the sum over its four ops: two passes in one cycle overlap
+    drawn_extra = statistics.fmean(r.step_time_ns for r in drawn) - quiet  # its standard error: about 4%
+    assert drawn_extra == pytest.approx(30 * 2e6 * (1 - (1 - 1 / 120) ** 16), rel=0.1)
+    assert drawn_extra == pytest.approx(sym.step_time_ns - quiet, rel=0.15)
+    # every rank's own passes: 16 ranks x 2 ms / 4 steps on average
+    assert statistics.fmean(sum(rr.gc_pause_ns for rr in r.ranks.values()) for r in drawn) == pytest.approx(
+        16 * 2e6 / 4, rel=0.1)
+    # one rank alone pays its own passes: on average 2 ms every 4 steps
+    solo = _cycles(1)
+    one = Simulator(solo, FixedCosts(), SimConfig(mode="symmetric", host_gc=gc)).run().step_time_ns
+    base = Simulator(solo, FixedCosts(), SimConfig(mode="symmetric")).run().step_time_ns
+    assert one - base == pytest.approx(0.5e6, rel=0.01)
+
+
+def test_without_host_gc_nothing_changes():
+    sched = _cycles(4, cycles=3)
+    a = Simulator(sched, FixedCosts(), SimConfig(mode="symmetric")).run()
+    b = Simulator(sched, FixedCosts(), SimConfig(mode="per-rank", jitter=0.0)).run()
+    assert a.step_time_ns == b.step_time_ns == 3 * 4_000_000 + 3 * 16
