@@ -11,17 +11,16 @@ each has its own phase in the period. A rank's pause delays every collective it 
 after it, unless its host was far enough ahead of its device to absorb it.
 
 Per-rank mode draws each rank's phase and stops its host where its work crosses a
-trigger (``GcClock``). Symmetric mode, one rank standing for all, adds to each host op
-the expected pause of whichever of the job's n ranks passes during it
-(``expected_pause_ns``): with ``w`` of host work in the op and ``p = w / (period x work
-per step)``, every rank passes floor(p) times for sure and once more with probability
-frac(p), so the latest of n pays ``pause x (floor(p) + 1 - (1 - frac(p))^n)``. Summed
-over a step that is about n x pause / period: every rank's pass stops the job once,
-unless the host had run far enough ahead of its device to absorb it, which the
-simulation of the host's op then decides as it does for any host op. It counts two
-ranks' passes that fall between the same two collectives twice where a real job pays
-one, so it runs a little high when passes are that frequent; per-rank mode has no such
-approximation, and the two agree within that (tests/sim/test_host_gc.py). Training loops of today avoid the cost by turning the
+trigger (``GcClock``). Symmetric mode, one rank standing for all, counts the job's
+expected stops over its host ops (``expected_pause_ns``: with ``w`` of host work in an
+op and ``p = w / (period x work per step)``, every rank passes floor(p) times for sure
+and once more with probability frac(p), so the latest of n pays ``pause x (floor(p) + 1
+- (1 - frac(p))^n)``) and stops its own host for a whole pause each time one stop has
+accrued (``ExpectedStops``; the step's fraction of one at its first host op): about n /
+period stops a step, each absorbed only as far as the host had run ahead of its device,
+as a real one is. It counts two ranks' passes that fall between the same two
+collectives twice where a real job pays one, and places the stops evenly; per-rank mode
+has neither approximation, and the two agree within them (tests/sim/test_host_gc.py). Training loops of today avoid the cost by turning the
 collector off and collecting on every rank at the same step (torchtitan's
 ``GarbageCollection``); the default is no pass at all, as for such a loop.
 """
@@ -55,6 +54,41 @@ def expected_pause_ns(gc: HostGc, work_ns: float, work_per_step_ns: float, ranks
     p = work_ns / (gc.period_steps * work_per_step_ns)
     whole = floor(p)
     return round(gc.pause_ns * (whole + 1 - (1 - (p - whole)) ** ranks))
+
+
+class ExpectedStops:
+    """Symmetric mode's stand-in for every rank's passes: the job's expected stops (a pass
+    on any of its ranks) over a step, paid as whole pauses where they accrue over the
+    host's work, so that the host's slack absorbs a pause as it would absorb a real one
+    (little) and not a thin expected share of it (all); the step's fraction of a stop is
+    paid at its first host op."""
+
+    __slots__ = ("gc", "work_per_step_ns", "ranks", "per_step", "owed", "fraction_due")
+
+    def __init__(self, gc: HostGc, work_per_step_ns: float, ranks: int, op_work_ns: list[int]):
+        self.gc = gc
+        self.work_per_step_ns = work_per_step_ns
+        self.ranks = ranks
+        # the expected stops of one step: its host ops' in turn
+        self.per_step = sum(expected_pause_ns(gc, w, work_per_step_ns, ranks) for w in op_work_ns) / gc.pause_ns \
+            if gc.pause_ns else 0.0
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.owed = 0.0
+        self.fraction_due = self.per_step - floor(self.per_step)
+
+    def advance(self, work_ns: int) -> int:
+        """The pause (ns) due by the end of this much more host work."""
+        if not self.gc.pause_ns:
+            return 0
+        pause = 0
+        if self.fraction_due:
+            pause, self.fraction_due = round(self.fraction_due * self.gc.pause_ns), 0.0
+        self.owed += expected_pause_ns(self.gc, work_ns, self.work_per_step_ns, self.ranks) / self.gc.pause_ns
+        whole = floor(self.owed + 1e-9)
+        self.owed -= whole
+        return pause + whole * self.gc.pause_ns
 
 
 class GcClock:

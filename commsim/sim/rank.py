@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import simpy
 
 from commsim.hardware.sharing import IDLE
-from commsim.sim.host_gc import GcClock
+from commsim.sim.host_gc import ExpectedStops, GcClock
 from commsim.sim.lateness import HostLateness
 from commsim.ir import ops as O
 from commsim.sim.allocator import Block
@@ -101,7 +101,9 @@ class RankSim(RankMemory, RankSpeed):
         work = sum(op.duration_ns for op in self.program.step if isinstance(op, O.HostWork)) if gc else 0
         self.gc_clock = GcClock(gc, work, random.Random(sim.config.seed * 15_485_863 + rank + 3)) \
             if gc and sim.mode != "symmetric" else None
-        self.gc_expected = (gc, work, sim.schedule.world_size) if gc and sim.mode == "symmetric" else None
+        if gc and sim.mode == "symmetric":
+            self.gc_clock = ExpectedStops(gc, work, sim.schedule.world_size,
+                                          [op.duration_ns for op in self.program.step if isinstance(op, O.HostWork)])
         # the node's time-sliced cores, when the simulator runs the OS scheduler (CPU
         # platforms with more ranks than cores); None: the host thread needs no core
         self.cpu: CpuScheduler | None = sim.cpus.get(self.node)
@@ -130,6 +132,8 @@ class RankSim(RankMemory, RankSpeed):
                 pending = [e for e in self.last_issued.values() if not e.processed]
                 if pending:
                     yield from self._block(pending)
+            if isinstance(self.gc_clock, ExpectedStops):
+                self.gc_clock.start_step()
             if step == warmup_steps:
                 self.result.start_ns = env.now
                 self.result.clear()

@@ -14,7 +14,6 @@ from math import exp
 
 from commsim.ir import ops as O
 from commsim.hardware.noise import ou_window_var
-from commsim.sim.host_gc import expected_pause_ns
 
 # host work that is a framework's own Python: its cost was timed back to back, and a
 # collective between two of its calls takes its cores and caches (framework_python_ns)
@@ -80,12 +79,7 @@ class RankSpeed:
             dur = duration_ns
         else:
             dur = self._stalled(max(0, int(duration_ns * exp(self.host_rng.gauss(0.0, sd) - sd * sd / 2))))
-        pause = 0
-        if self.gc_clock is not None:
-            pause = self.gc_clock.advance(duration_ns)
-        elif self.gc_expected is not None:
-            gc, work, ranks = self.gc_expected
-            pause = expected_pause_ns(gc, duration_ns, work, ranks)
+        pause = self.gc_clock.advance(duration_ns) if self.gc_clock is not None else 0
         if pause:
             self.result.gc_pause_ns += pause
         return dur + pause

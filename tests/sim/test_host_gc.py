@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from commsim.sim.engine import SimConfig, Simulator
-from commsim.sim.host_gc import GcClock, HostGc, expected_pause_ns, parse_host_gc
+from commsim.sim.host_gc import ExpectedStops, GcClock, HostGc, expected_pause_ns, parse_host_gc
 from tests.sim.fixed_costs import FixedCosts
 from tests.sim.test_lateness import _cycles
 
@@ -36,6 +36,18 @@ def test_a_ranks_clock_pauses_once_a_period_from_its_phase():
     assert GcClock(HostGc(3, 7), 0, rng).advance(10**9) == 0  # no host work: no clock
 
 
+def test_expected_stops_are_paid_whole():
+    # one rank, a stop every 1000 ns of work; a step of 25 ops of 100 ns: 2.5 stops a step
+    stops = ExpectedStops(HostGc(period_steps=0.4, pause_ns=1000), 2500, 1, [100] * 25)
+    assert stops.per_step == pytest.approx(2.5)
+    paid = [stops.advance(100) for _ in range(25)]
+    # the half stop at the first op, then a whole one after each 1000 ns of work
+    assert paid == [500] + [0] * 8 + [1000] + [0] * 9 + [1000] + [0] * 5
+    stops.start_step()
+    assert (stops.owed, stops.fraction_due) == (0.0, 0.5)
+    assert ExpectedStops(HostGc(10, 0), 100, 64, [100]).advance(10**6) == 0
+
+
 def test_parse_and_refuse():
     assert parse_host_gc("30:200") == HostGc(30.0, 200_000_000)
     assert parse_host_gc("2.5:0.5") == HostGc(2.5, 500_000)
@@ -53,9 +65,11 @@ def test_symmetric_expected_pause_agrees_with_every_rank_drawn():
     sym = Simulator(sched, FixedCosts(), SimConfig(mode="symmetric", host_gc=gc)).run()
     drawn = [Simulator(sched, FixedCosts(), SimConfig(mode="per-rank", host_gc=gc, jitter=0.0, seed=s)).run()
              for s in range(100)]
-    per_op = round(2e6 * (1 - (1 - 1 / 480) ** 16))
-    assert sym.step_time_ns - quiet == 120 * per_op
-    assert sym.ranks[0].gc_pause_ns == 120 * per_op and sym.host_gc == gc
+    # the job's expected stops: 120 ops x (1 - (1 - 1/480)^16) = 3.94 (each op rounded to
+    # whole ns of pause), 0.94 of one at the first op, then three whole ones
+    expected = 120 * round(2e6 * (1 - (1 - 1 / 480) ** 16))
+    assert sym.ranks[0].gc_pause_ns == pytest.approx(expected, abs=1) and sym.host_gc == gc
+    assert sym.step_time_ns - quiet == pytest.approx(expected, abs=1)
     # drawn: each cycle pays one pause if any of the 16 ranks passed in it (1/120 each),
     # 4% less than the sum over its four ops: two passes in one cycle overlap
     drawn_extra = statistics.fmean(r.step_time_ns for r in drawn) - quiet  # its standard error: about 4%
