@@ -6,9 +6,10 @@ last one exceed a quarter of those that survived it (gcmodule.c; the thresholds
 gc.get_threshold() gives). In a training loop the promotions come from the step's own
 allocations, so a rank passes every ``period_steps`` steps' worth of its host work and
 stops its host for ``pause_ns`` each time (``bench/gc_pauses.py`` measures both for a
-DeepSpeed release; traces/README.md, "GC pauses"). The ranks' passes are not aligned:
-each has its own phase in the period. A rank's pause delays every collective it joins
-after it, unless its host was far enough ahead of its device to absorb it.
+DeepSpeed release; traces/README.md, "host-costs/", ``gc/``). The ranks' passes are
+taken as not aligned: each has its own phase in the period. A rank's pause delays every
+collective it joins after it, unless its host was far enough ahead of its device to
+absorb it.
 
 Per-rank mode draws each rank's phase and stops its host where its work crosses a
 trigger (``GcClock``). Symmetric mode, one rank standing for all, counts the job's
@@ -20,9 +21,10 @@ accrued (``ExpectedStops``; the step's fraction of one at its first host op): ab
 period stops a step, each absorbed only as far as the host had run ahead of its device,
 as a real one is. It counts two ranks' passes that fall between the same two
 collectives twice where a real job pays one, and places the stops evenly; per-rank mode
-has neither approximation, and the two agree within them (tests/sim/test_host_gc.py). Training loops of today avoid the cost by turning the
-collector off and collecting on every rank at the same step (torchtitan's
-``GarbageCollection``); the default is no pass at all, as for such a loop.
+has neither approximation, and the two agree within them (tests/sim/test_host_gc.py).
+Training loops of today avoid the cost by turning the collector off and collecting on
+every rank at the same step (torchtitan's ``GarbageCollection``); the default is no
+pass at all, as for such a loop.
 """
 
 from __future__ import annotations

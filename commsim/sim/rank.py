@@ -95,15 +95,15 @@ class RankSim(RankMemory, RankSpeed):
         self.host_rng = random.Random(sim.config.seed * 7_919 + rank + 1)
         self.lateness = HostLateness(sim.host_jitter) if sim.host_jitter and sim.mode == "symmetric" else None
         # full garbage collections (host_gc), a period in steps of this rank's host work:
-        # per-rank mode draws its own phase and pauses; symmetric mode adds to each host op
-        # the expected pause of whichever of the job's ranks passes during it
+        # per-rank mode draws its own phase and pauses; symmetric mode pays the job's
+        # expected stops (a pass on any rank) as whole pauses where they accrue
         gc = sim.config.host_gc
-        work = sum(op.duration_ns for op in self.program.step if isinstance(op, O.HostWork)) if gc else 0
-        self.gc_clock = GcClock(gc, work, random.Random(sim.config.seed * 15_485_863 + rank + 3)) \
-            if gc and sim.mode != "symmetric" else None
-        if gc and sim.mode == "symmetric":
-            self.gc_clock = ExpectedStops(gc, work, sim.schedule.world_size,
-                                          [op.duration_ns for op in self.program.step if isinstance(op, O.HostWork)])
+        self.gc_clock: GcClock | ExpectedStops | None = None
+        if gc:
+            works = [op.duration_ns for op in self.program.step if isinstance(op, O.HostWork)]
+            self.gc_clock = ExpectedStops(gc, sum(works), sim.schedule.world_size, works) \
+                if sim.mode == "symmetric" else GcClock(gc, sum(works), random.Random(sim.config.seed * 15_485_863
+                                                                                      + rank + 3))
         # the node's time-sliced cores, when the simulator runs the OS scheduler (CPU
         # platforms with more ranks than cores); None: the host thread needs no core
         self.cpu: CpuScheduler | None = sim.cpus.get(self.node)

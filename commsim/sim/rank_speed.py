@@ -2,10 +2,11 @@
 clockwork. A kernel jittered per op (``SimConfig.jitter``); every kernel, copy and
 collective call scaled by the rank's speed drift (an Ornstein-Uhlenbeck process of log
 speed, ``RankDrift``); every piece of the rank's thread's work given the stalls that
-arrive during it (``RankStalls``); a host op drawn with the host jitter and stopped by the rank's full
-garbage collections (per-rank mode) or kept for the lateness of the next collective
-(symmetric mode). Each keeps the op's
-mean. A framework's Python after its rank's collectives is priced cold first
+arrive during it (``RankStalls``); a host op drawn with the host jitter (per-rank mode)
+or kept for the lateness of the next collective (symmetric mode), then stopped by the
+full garbage collections its work runs into (``host_gc``: the rank's own in per-rank
+mode, the job's expected ones in symmetric mode). Each keeps the op's mean. A
+framework's Python after its rank's collectives is priced cold first
 (``CostModel.framework_python_ns``). A mixin of ``rank.RankSim``, whose state it uses."""
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class RankSpeed:
 
     def _host_ns(self, duration_ns: int) -> int:
         """A host op's time on this rank: drawn (per-rank mode) or its mean, its variance
-        and work kept for the lateness of the next collective (symmetric mode); in
-        per-rank mode with the full garbage collections its work runs into (host_gc)."""
+        kept for the lateness of the next collective (symmetric mode); plus the pauses of
+        the full garbage collections its work runs into (host_gc)."""
         sd = self.host_sd
         if not sd:
             dur = self._stalled(duration_ns)
