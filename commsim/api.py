@@ -310,15 +310,16 @@ def predict(sc: Scenario) -> Prediction:
     if sc.host_heap and cost.fresh_page_ns_per_byte() is None:
         raise CommsimInputError("--host-heap: models a framework's tensors on CPUs; it needs a CPU (gloo) "
                                 "--hw-profile and --runner framework")
+    config = SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap,
+                       host_jitter=sc.host_jitter, host_gc=host_gc)
     try:
-        sim = Simulator(schedule, cost, SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap,
-                                                  host_jitter=sc.host_jitter, host_gc=host_gc))
+        sim = Simulator(schedule, cost, config)
     except ValueError as e:
         raise CommsimInputError(f"--mode {sc.mode}: {e}") from None
     result = simulate(sim)
     metrics = compute_metrics(result, info)
     if sc.mode == "auto" and result.mode == "symmetric" and not metrics.oom and metrics.alloc_flushes:
-        result, metrics, note = _per_rank_after_flushes(schedule, cost, sc, info, result, metrics)
+        result, metrics, note = _per_rank_after_flushes(schedule, cost, config, info, result, metrics)
         sources += (note,)
     title = f"commsim predict: {what} on {hardware} = {schedule.world_size} GPUs"
     scen = {k: v for k, v in sc.__dict__.items() if k not in ("warnings", "host_costs")}
@@ -332,13 +333,14 @@ def predict(sc: Scenario) -> Prediction:
 PER_RANK_AFTER_FLUSH_MAX_RANKS = 64
 
 
-def _per_rank_after_flushes(schedule: Schedule, cost, sc: Scenario, info: StepInfo, sym_result: SimResult,
+def _per_rank_after_flushes(schedule: Schedule, cost, config: SimConfig, info: StepInfo, sym_result: SimResult,
                             sym: Metrics) -> tuple[SimResult, Metrics, str]:
     """The symmetric run flushed the caching allocator: in it every rank flushes at the
     same instant, while on a real cluster each rank flushes on its own and every
     collective it joins waits for it. Every rank is simulated (with the per-rank mode's
     jitter, so that their flushes fall apart), up to PER_RANK_AFTER_FLUSH_MAX_RANKS;
-    returns the result, its metrics and the line that says so."""
+    returns the result, its metrics and the line that says so. ``config``: the symmetric
+    run's, whose other settings the per-rank run keeps."""
     n = schedule.world_size
     flushes = f"the caching allocator flushed {sym.alloc_flushes} time(s) in the symmetric run"
     if n > PER_RANK_AFTER_FLUSH_MAX_RANKS:
@@ -348,9 +350,7 @@ def _per_rank_after_flushes(schedule: Schedule, cost, sc: Scenario, info: StepIn
         return sym_result, sym, note
     print(f"commsim: {flushes}; simulating each of the {n} ranks (a flush on one rank stalls every collective "
           "it joins) ...", file=sys.stderr, flush=True)
-    sim = Simulator(schedule, cost, SimConfig(mode="per-rank", seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap,
-                                        host_jitter=sc.host_jitter,
-                                        host_gc=parse_host_gc(sc.host_gc) if sc.host_gc else None))
+    sim = Simulator(schedule, cost, replace(config, mode="per-rank"))
     result = simulate(sim)
     note = (f"mode: per-rank because {flushes}: a flush on one rank stalls every collective it joins "
             f"(symmetric step {sym.step_time_s:.3f} s)")

@@ -51,8 +51,8 @@ class HostGc:
 
 
 def expected_pause_ns(gc: HostGc, work_ns: float, work_per_step_ns: float, ranks: int) -> int:
-    """Expected pause of the latest of ``ranks`` ranks that each did ``work_ns`` of host
-    work since they last waited for one another, each with its own uniform phase."""
+    """Expected pause of the latest of ``ranks`` ranks over the same ``work_ns`` of host
+    work (one op's), each rank with its own uniform phase in its period."""
     if work_ns <= 0 or work_per_step_ns <= 0 or ranks < 1 or not gc.pause_ns:
         return 0
     p = work_ns / (gc.period_steps * work_per_step_ns)
