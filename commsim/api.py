@@ -58,8 +58,8 @@ class Scenario:
     # relative sd of each host op's time, independent per op and rank (None: the platform's,
     # 0 on every preset until measured): every synchronisation waits for the latest rank
     host_jitter: float | None = None
-    # each rank's full garbage collections, "PERIOD_STEPS:PAUSE_MS" (commsim.sim.host_gc);
-    # None: none, as a loop that turned the collector off
+    # each rank's full garbage collections, "PERIOD_STEPS:PAUSE_MS[:aligned|independent]"
+    # (commsim.sim.host_gc); None: none, as a loop that turned the collector off
     host_gc: str | None = None
     host_costs: Any = None  # HostCosts overriding the defaults / the profile's measured ones
     extrapolate: bool = False  # let a profile price groups larger than (or placed unlike) those it measured

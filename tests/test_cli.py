@@ -471,16 +471,27 @@ def test_host_jitter_reaches_the_simulation_and_is_reported():
 def test_host_gc_stops_every_rank_for_each_ranks_pass():
     args = ("--model", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "64",
             "--preset", "baseline")
-    still, gc = predict_json(*args), predict_json(*args, "--host-gc", "4:50")
-    assert still["host_gc"] is None and gc["host_gc"] == [4.0, 0.05]
-    # 4 ranks each passing every 4 steps, 50 ms a pass, 0.5.10 synchronising at every fetch:
-    # about one 50 ms stop a step (a little less: two passes in one op count once)
+    still, gc = predict_json(*args), predict_json(*args, "--host-gc", "4:50:independent")
+    assert still["host_gc"] is None and gc["host_gc"] == [4.0, 0.05, "independent"]
+    # 4 ranks each passing every 4 steps at its own phase, 50 ms a pass, 0.5.10
+    # synchronising at every fetch: about one 50 ms stop a step (a little less: two
+    # passes in one op count once)
     assert 0.045 < gc["step_time_s"] - still["step_time_s"] <= 0.05
-    text = run("predict", *args, "--host-gc", "4:50")
-    assert "; a full garbage collection every 4 steps per rank, 50 ms (the others wait for it at their next " \
-           f"collective), {gc['host_gc_pause_s']:.3f} s of host time a step (every rank's passes); seed 0" in text.stdout
+    text = run("predict", *args, "--host-gc", "4:50:independent")
+    assert "; a full garbage collection every 4 steps per rank, 50 ms, each rank at its own phase (the others wait " \
+           f"for it at their next collective), {gc['host_gc_pause_s']:.3f} s of host time a step (every rank's " \
+           "passes); seed 0" in text.stdout
     assert gc["host_gc_pause_s"] == pytest.approx(gc["step_time_s"] - still["step_time_s"], rel=0.05)
+    # aligned (the default): every rank passes at the same point, the job pays one
+    # rank's passes, 50 ms every 4 steps
+    aligned = predict_json(*args, "--host-gc", "4:50")
+    assert aligned["host_gc"] == [4.0, 0.05, "aligned"]
+    assert aligned["step_time_s"] - still["step_time_s"] == pytest.approx(0.0125, rel=0.02)
+    assert "every rank's at the same point (the job pays one rank's passes), 0.013 s of host time a step (one " \
+           "rank's passes)" in run("predict", *args, "--host-gc", "4:50").stdout
     out = run("predict", *args, "--host-gc", "50")
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip().splitlines() == ["commsim: error: --host-gc '50': PERIOD_STEPS:PAUSE_MS, a positive "
-                                               "number of steps and a non-negative pause in ms, e.g. 30:200"]
+    assert out.stderr.strip().splitlines() == ["commsim: error: --host-gc '50': PERIOD_STEPS:PAUSE_MS[:aligned|"
+                                               "independent], a positive number of steps, a non-negative pause in "
+                                               "ms and where the ranks' passes fall, e.g. 30:200 or "
+                                               "30:200:independent"]

@@ -129,11 +129,13 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    help="relative std-dev of each host op's time (the framework's Python, the OS), independent per "
                    "op and rank: every collective after a synchronisation waits for the latest rank's host, which "
                    "grows with the ranks (default: the platform's; 0 on every GPU preset, not yet measured there)")
-    p.add_argument("--host-gc", metavar="PERIOD_STEPS:PAUSE_MS",
+    p.add_argument("--host-gc", metavar="PERIOD_STEPS:PAUSE_MS[:aligned|independent]",
                    help="each rank's Python runs a full garbage collection every PERIOD_STEPS steps of its host "
-                   "work, at its own phase, stopping its host PAUSE_MS; the others wait for it at their next "
-                   "collective (bench/gc_pauses.py measures both for a DeepSpeed release; default: none, as a loop "
-                   "that turned the collector off and collects on every rank at once)")
+                   "work, stopping its host PAUSE_MS; aligned (the default, measured for identical ranks): every "
+                   "rank at the same point of the step, so the job pays one rank's passes; independent: each rank "
+                   "at its own phase, the others waiting for it at their next collective (bench/gc_pauses.py "
+                   "measures period and pause for a DeepSpeed release, bench/gc_alignment.py where the ranks' "
+                   "passes fall; default: none, as a loop that turned the collector off)")
 
 
 def check_outputs(*outputs: tuple[str, str | None]) -> None:

@@ -26,9 +26,12 @@ def report_lines(pred, seed: int) -> list[str]:
         mode += (f"; host jitter {m.host_jitter:.1%} (each host op's sd: every collective after a synchronisation "
                  "waits for the latest rank, shown as straggler time)")
     if m.host_gc:
-        mode += (f"; a full garbage collection every {m.host_gc[0]:g} steps per rank, {m.host_gc[1] * 1e3:g} ms "
-                 "(the others wait for it at their next collective), "
-                 + (f"{m.host_gc_pause_s:.3f} s of host time a step (every rank's passes)" if m.mode == "symmetric"
+        aligned = m.host_gc[2] == "aligned"
+        mode += (f"; a full garbage collection every {m.host_gc[0]:g} steps per rank, {m.host_gc[1] * 1e3:g} ms, "
+                 + ("every rank's at the same point (the job pays one rank's passes), " if aligned else
+                    "each rank at its own phase (the others wait for it at their next collective), ")
+                 + (f"{m.host_gc_pause_s:.3f} s of host time a step "
+                    f"({'one rank' if aligned else 'every rank'}'s passes)" if m.mode == "symmetric"
                     else f"{m.host_gc_pause_s:.3f} s of host time this step (the reported rank's own passes)"))
     if pred.result.cpu_sharing:
         mode += f"; {pred.result.cpu_sharing}"

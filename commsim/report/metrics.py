@@ -196,7 +196,8 @@ class Metrics:
     rank_stalls: tuple[float, float] = (0.0, 0.0)
     step_time_samples_s: tuple[float, ...] = ()
     host_jitter: float = 0.0  # relative sd of each host op's time (0: hosts run like clockwork)
-    host_gc: tuple[float, float] | None = None  # each rank's full collections: (period steps, pause s)
+    # each rank's full collections: (period steps, pause s, "aligned" | "independent")
+    host_gc: tuple[float, float, str] | None = None
     # host time those collections added on the reported rank: every rank's passes as the
     # job pays them (symmetric), or the rank's own (per-rank)
     host_gc_pause_s: float = 0.0
@@ -254,6 +255,7 @@ def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) 
         rank_stalls=result.rank_stalls,
         step_time_samples_s=tuple(t / 1e9 for t in result.step_samples_ns),
         host_jitter=result.host_jitter,
-        host_gc=(result.host_gc.period_steps, result.host_gc.pause_ns / 1e9) if result.host_gc else None,
+        host_gc=(result.host_gc.period_steps, result.host_gc.pause_ns / 1e9, result.host_gc.alignment)
+        if result.host_gc else None,
         host_gc_pause_s=rr.gc_pause_ns / 1e9,
     )

@@ -1,4 +1,4 @@
-"""Python's full garbage-collection passes as host stalls, one rank at a time.
+"""Python's full garbage-collection passes as host stalls.
 
 Each rank runs its own interpreter, and CPython's collector runs its full pass (every
 tracked object visited) once the objects promoted to its oldest generation since the
@@ -6,24 +6,35 @@ last one exceed a quarter of those that survived it (gcmodule.c; the thresholds
 gc.get_threshold() gives). In a training loop the promotions come from the step's own
 allocations, so a rank passes every ``period_steps`` steps' worth of its host work and
 stops its host for ``pause_ns`` each time (``bench/gc_pauses.py`` measures both for a
-DeepSpeed release; traces/README.md, "host-costs/", ``gc/``). The ranks' passes are
-taken as not aligned: each has its own phase in the period. A rank's pause delays every
-collective it joins after it, unless its host was far enough ahead of its device to
-absorb it.
+DeepSpeed release; traces/README.md, "host-costs/", ``gc/``). A rank's pause delays
+every collective it joins after it, unless its host was far enough ahead of its device
+to absorb it.
 
-Per-rank mode draws each rank's phase and stops its host where its work crosses a
-trigger (``GcClock``). Symmetric mode, one rank standing for all, counts the job's
-expected stops over its host ops (``expected_pause_ns``: with ``w`` of host work in an
-op and ``p = w / (period x work per step)``, every rank passes floor(p) times for sure
-and once more with probability frac(p), so the latest of n pays ``pause x (floor(p) + 1
-- (1 - frac(p))^n)``) and stops its own host for a whole pause each time one stop has
-accrued (``ExpectedStops``; the step's fraction of one at its first host op): about n /
-period stops a step, each absorbed only as far as the host had run ahead of its device,
-as a real one is. It counts two ranks' passes that fall close together twice where a
-real job pays about one, and places the stops evenly; per-rank mode has neither
-approximation. The two agree where stops are rare (tests/sim/test_host_gc.py; the seed
-at 64 GPUs within 3%); with dozens a step symmetric mode runs high (the seed's 0.6.0 at
-256 GPUs: 8.33 against 6.95 s, docs/deepspeed-versions.md).
+Where the ranks' passes fall (``HostGc.aligned``):
+
+* aligned (the default): ranks that run the same program allocate alike, so their
+  collectors trigger at the same point of it. Measured on a real DeepSpeed ZeRO-3 job
+  (``bench/gc_alignment.py``, 2 and 4 gloo ranks: every rank's full pass at the same
+  step and module hook, starting within a few ms of each other, and the step paid one
+  pause, not one per rank). The job pays one rank's passes, whatever its size.
+* independent: each rank at its own phase in the period, as in a script whose ranks do
+  different Python work (rank 0's logging that keeps objects, uneven data handling). The
+  job pays every rank's passes, which grows with the ranks.
+
+Per-rank mode draws the phase (one for all ranks when aligned) and stops a rank's host
+where its work crosses a trigger (``GcClock``). Symmetric mode, one rank standing for
+all, counts the expected stops over its host ops (``expected_pause_ns``: with ``w`` of
+host work in an op and ``p = w / (period x work per step)``, every rank passes
+floor(p) times for sure and once more with probability frac(p), so the latest of the n
+ranks that pass independently pays ``pause x (floor(p) + 1 - (1 - frac(p))^n)``; n = 1
+when aligned) and stops its own host for a whole pause each time one stop has accrued
+(``ExpectedStops``; the step's fraction of one at its first host op), each absorbed only
+as far as the host had run ahead of its device, as a real one is. Independent, it counts
+two ranks' passes that fall close together twice where a real job pays about one, and
+places the stops evenly; per-rank mode has neither approximation. The two agree where
+stops are rare (tests/sim/test_host_gc.py; the seed at 64 GPUs within 3%); with dozens a
+step symmetric mode runs high (the seed's 0.6.0 at 256 GPUs, independent: 8.33 against
+6.95 s, docs/deepspeed-versions.md).
 Training loops of today avoid the cost by turning the collector off and collecting on
 every rank at the same step (torchtitan's ``GarbageCollection``); the default is no
 pass at all, as for such a loop.
@@ -39,10 +50,20 @@ from math import floor
 @dataclass(frozen=True, slots=True)
 class HostGc:
     """A rank's full collections: one every ``period_steps`` steps of host work, each
-    stopping its host for ``pause_ns``."""
+    stopping its host for ``pause_ns``; every rank's at the same point of the program
+    (``aligned``) or each at its own phase."""
 
     period_steps: float
     pause_ns: int
+    aligned: bool = True
+
+    @property
+    def alignment(self) -> str:
+        return "aligned" if self.aligned else "independent"
+
+    def passing_ranks(self, ranks: int) -> int:
+        """How many ranks' passes the job pays: one when they fall together."""
+        return 1 if self.aligned else ranks
 
     def __post_init__(self) -> None:
         if not self.period_steps > 0 or self.pause_ns < 0:
@@ -119,14 +140,20 @@ class GcClock:
         return pause
 
 
+ALIGNMENTS = ("aligned", "independent")
+
+
 def parse_host_gc(text: str) -> HostGc:
-    """``PERIOD_STEPS:PAUSE_MS`` (e.g. ``30:200``) as a HostGc; ValueError naming what is wrong."""
-    period, sep, pause = text.partition(":")
+    """``PERIOD_STEPS:PAUSE_MS[:aligned|independent]`` (e.g. ``30:200``, aligned by
+    default) as a HostGc; ValueError naming what is wrong."""
+    parts = text.split(":")
     try:
-        if not sep:
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ALIGNMENTS):
             raise ValueError
-        gc = HostGc(float(period), int(round(float(pause) * 1e6)))
+        gc = HostGc(float(parts[0]), int(round(float(parts[1]) * 1e6)), aligned=len(parts) == 2
+                    or parts[2] == "aligned")
     except ValueError:
-        raise ValueError(f"{text!r}: PERIOD_STEPS:PAUSE_MS, a positive number of steps and a non-negative pause "
-                         "in ms, e.g. 30:200") from None
+        raise ValueError(f"{text!r}: PERIOD_STEPS:PAUSE_MS[:aligned|independent], a positive number of steps, a "
+                         "non-negative pause in ms and where the ranks' passes fall, e.g. 30:200 or "
+                         "30:200:independent") from None
     return gc

@@ -95,15 +95,16 @@ class RankSim(RankMemory, RankSpeed):
         self.host_rng = random.Random(sim.config.seed * 7_919 + rank + 1)
         self.lateness = HostLateness(sim.host_jitter) if sim.host_jitter and sim.mode == "symmetric" else None
         # full garbage collections (host_gc), a period in steps of this rank's host work:
-        # per-rank mode draws its own phase and pauses; symmetric mode pays the job's
-        # expected stops (a pass on any rank) as whole pauses where they accrue
+        # per-rank mode draws the phase (one for every rank when their passes are
+        # aligned) and pauses; symmetric mode pays the job's expected stops (a pass on
+        # any rank, or on one when aligned) as whole pauses where they accrue
         gc = sim.config.host_gc
         self.gc_clock: GcClock | ExpectedStops | None = None
         if gc:
             works = [op.duration_ns for op in self.program.step if isinstance(op, O.HostWork)]
-            self.gc_clock = ExpectedStops(gc, sum(works), sim.schedule.world_size, works) \
-                if sim.mode == "symmetric" else GcClock(gc, sum(works), random.Random(sim.config.seed * 15_485_863
-                                                                                      + rank + 3))
+            phase_seed = sim.config.seed * 15_485_863 + (0 if gc.aligned else rank) + 3
+            self.gc_clock = ExpectedStops(gc, sum(works), gc.passing_ranks(sim.schedule.world_size), works) \
+                if sim.mode == "symmetric" else GcClock(gc, sum(works), random.Random(phase_seed))
         # the node's time-sliced cores, when the simulator runs the OS scheduler (CPU
         # platforms with more ranks than cores); None: the host thread needs no core
         self.cpu: CpuScheduler | None = sim.cpus.get(self.node)

@@ -43,8 +43,8 @@ class SimConfig:
     # (order statistics, see rank.py).
     host_jitter: float | None = None
     # Each rank's full garbage collections (host_gc.HostGc: a pause every so many steps of
-    # its host work, at its own phase). None: none, as in a loop that turned the
-    # collector off and collects on every rank at once.
+    # its host work, every rank's at the same point or each at its own phase). None:
+    # none, as in a loop that turned the collector off and collects on every rank at once.
     host_gc: HostGc | None = None
     launch_queue_depth: int = 1024  # CUDA's pending-launch queue holds about 1024 kernels
     alloc_hit_ns: int = 1_000  # caching-allocator hit: about 1 us of host time (allocator.md)

@@ -29,6 +29,49 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+class GcLog:
+    """Every garbage collection of this process: its generation, the step and phase it
+    fell in, the module hooks run so far (the program position: identical programs
+    collect at the same count) and its pause, timed by ``gc.callbacks``."""
+
+    def __init__(self, model) -> None:
+        import gc
+
+        self.step, self.phase, self.hooks = -1, "setup", 0
+        self.events: list[dict] = []
+        self.step_starts_s: list[float] = []  # perf_counter: one clock for every process of the machine
+        self._start = 0.0
+        for mod in model.modules():
+            mod.register_forward_pre_hook(self._hook)
+            mod.register_full_backward_pre_hook(self._hook)
+        gc.callbacks.append(self._callback)
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.step_starts_s.append(time.perf_counter())
+
+    def _hook(self, *_args) -> None:
+        self.hooks += 1
+
+    def _callback(self, what: str, info: dict) -> None:
+        if what == "start":
+            self._start = time.perf_counter()
+            return
+        self.events.append({"generation": info["generation"], "step": self.step, "phase": self.phase,
+                            "hooks": self.hooks, "at_s": self._start, "pause_s": time.perf_counter() - self._start,
+                            "collected": info["collected"]})
+
+    def write(self, path: str, step_times_s: list[float]) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"events": self.events, "step_times_s": step_times_s, "step_starts_s": self.step_starts_s,
+                       "threshold": list(gc.get_threshold())},
+                      f)
+        os.replace(path + ".tmp", path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
@@ -52,6 +95,13 @@ def main() -> None:
     ap.add_argument("--comms-raw-json", metavar="FILE",
                     help="with the ds_config's comms_logger enabled: write its get_raw_data() here (rank 0) before "
                     "log_summary() prints the table")
+    ap.add_argument("--gc-log", metavar="PREFIX",
+                    help="time every garbage collection of every rank and write PREFIX.rank<N>.json: per collection "
+                    "its generation, step, phase, module-hook count (the program position) and pause "
+                    "(bench/gc_alignment.py reads them)")
+    ap.add_argument("--gc-threshold", metavar="T0,T1,T2",
+                    help="gc.set_threshold(T0, T1, T2) before the first step (CPython's default 700,10,10): lower "
+                    "ones make a short run collect as often as a long run of a large model does")
     ap.add_argument("--build-shm-comm", action="store_true",
                     help="let DeepSpeed build its CPU shared-memory all-reduce op (inference only; skipped by default)")
     args = ap.parse_args()
@@ -102,6 +152,11 @@ def main() -> None:
         for name, mod in engine.module.named_modules():
             mod.register_forward_pre_hook(lambda m, a, n=name: mark(f"fwd_pre:{n}"))
             mod.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"bwd_pre:{n}"))
+    if args.gc_threshold:
+        import gc
+
+        gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
+    gc_log = GcLog(engine.module) if args.gc_log else None
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     times = []
     phase_times: dict[str, list[float]] = {}  # forward / backward / step (engine.step) per step
@@ -124,19 +179,27 @@ def main() -> None:
             return torch.profiler.record_function(f"ds_train.{name}") if args.torch_profile and last \
                 else contextlib.nullcontext()
 
+        if gc_log:
+            gc_log.begin_step(i)
         phases, faults = {}, [minor_faults()]
         t = time.perf_counter()
         if prof:
             prof.enable()
         with tprof:
+            if gc_log:
+                gc_log.phase = "forward"
             with phase("forward"):
                 loss = engine(ids, labels=ids)
             phases["forward"] = time.perf_counter()
             faults.append(minor_faults())
+            if gc_log:
+                gc_log.phase = "backward"
             with phase("backward"):
                 engine.backward(loss)
             phases["backward"] = time.perf_counter()
             faults.append(minor_faults())
+            if gc_log:
+                gc_log.phase = "step"
             with phase("step"):
                 engine.step()
             phases["step"] = time.perf_counter()
@@ -155,6 +218,8 @@ def main() -> None:
                 print(f"phase {name}: {durs[-1] * 1e3:.1f} ms")
             print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             tprof.export_chrome_trace(args.torch_profile)
+    if gc_log:
+        gc_log.write(f"{args.gc_log}.rank{dist.get_rank()}.json", times)
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
             json.dump({"step_times_s": times, "phase_times_s": phase_times, "phase_minor_faults": phase_faults}, f)

@@ -4,6 +4,7 @@ two modes agree."""
 
 import random
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -50,8 +51,10 @@ def test_expected_stops_are_paid_whole():
 
 def test_parse_and_refuse():
     assert parse_host_gc("30:200") == HostGc(30.0, 200_000_000)
+    assert parse_host_gc("30:200:aligned") == HostGc(30.0, 200_000_000)
+    assert parse_host_gc("30:200:independent") == HostGc(30.0, 200_000_000, aligned=False)
     assert parse_host_gc("2.5:0.5") == HostGc(2.5, 500_000)
-    for bad in ("30", "0:200", "-1:5", "30:-1", "x:1", "30:y", "nan:5"):
+    for bad in ("30", "0:200", "-1:5", "30:-1", "x:1", "30:y", "nan:5", "30:200:sometimes", "1:2:3:4"):
         with pytest.raises(ValueError, match="PERIOD_STEPS:PAUSE_MS"):
             parse_host_gc(bad)
 
@@ -60,7 +63,7 @@ def test_symmetric_expected_pause_agrees_with_every_rank_drawn():
     # 30 cycles of four 1 ms host ops, the ranks waiting for one another every cycle; a
     # 2 ms pass every 4 steps of host work: each op is 1/480 of a period
     sched = _cycles(16)
-    gc = HostGc(period_steps=4, pause_ns=2_000_000)
+    gc = HostGc(period_steps=4, pause_ns=2_000_000, aligned=False)
     quiet = Simulator(sched, FixedCosts(), SimConfig(mode="symmetric")).run().step_time_ns
     sym = Simulator(sched, FixedCosts(), SimConfig(mode="symmetric", host_gc=gc)).run()
     drawn = [Simulator(sched, FixedCosts(), SimConfig(mode="per-rank", host_gc=gc, jitter=0.0, seed=s)).run()
@@ -83,6 +86,26 @@ def test_symmetric_expected_pause_agrees_with_every_rank_drawn():
     one = Simulator(solo, FixedCosts(), SimConfig(mode="symmetric", host_gc=gc)).run().step_time_ns
     base = Simulator(solo, FixedCosts(), SimConfig(mode="symmetric")).run().step_time_ns
     assert one - base == pytest.approx(0.5e6, rel=0.01)
+
+
+def test_aligned_passes_cost_the_job_one_ranks_passes():
+    # the same 16 ranks, their passes aligned (the default): every rank stops at the same
+    # op, so the job pays one rank's passes, 2 ms every 4 steps, as one rank alone does
+    sched = _cycles(16)
+    gc = HostGc(period_steps=4, pause_ns=2_000_000)
+    assert gc.aligned and gc.passing_ranks(16) == 1
+    quiet = Simulator(sched, FixedCosts(), SimConfig(mode="symmetric")).run().step_time_ns
+    sym = Simulator(sched, FixedCosts(), SimConfig(mode="symmetric", host_gc=gc)).run()
+    assert sym.step_time_ns - quiet == pytest.approx(0.5e6, rel=0.01)
+    drawn = [Simulator(sched, FixedCosts(), SimConfig(mode="per-rank", host_gc=gc, jitter=0.0, seed=s)).run()
+             for s in range(100)]
+    for r in drawn:  # one phase for all: every rank's own pauses the same
+        assert len({rr.gc_pause_ns for rr in r.ranks.values()}) == 1
+    # a quarter of the seeds draw the pass into the measured step: 2 ms then, else 0
+    assert {r.step_time_ns - quiet for r in drawn} == {0, 2_000_000}
+    assert statistics.fmean(r.step_time_ns for r in drawn) - quiet == pytest.approx(0.5e6, rel=0.35)
+    independent = Simulator(sched, FixedCosts(), SimConfig(mode="symmetric", host_gc=replace(gc, aligned=False)))
+    assert independent.run().step_time_ns - quiet > 6 * (sym.step_time_ns - quiet)
 
 
 def test_without_host_gc_nothing_changes():
