@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from commsim.ir.ops import ComputeKind as K
-from commsim.models import bing_bert
+from commsim.models import bing_bert, megatron_gpt
 from commsim.models.eager import Op, chain
 from commsim.models.spec import ModuleKind, ParamSpec, Role
 
@@ -347,4 +347,5 @@ def _llama_layer(bd: Builder, L: str, i: int) -> None:
                       after=e.add("residual", hs), saved=ffn_saved)
 
 
-LOWER = {"roberta": _roberta, "bert": _roberta, "gpt2": _gpt2, "llama": _llama, "bing_bert": bing_bert.lower}
+LOWER = {"roberta": _roberta, "bert": _roberta, "gpt2": _gpt2, "llama": _llama, "bing_bert": bing_bert.lower,
+         "megatron_gpt": megatron_gpt.lower}

@@ -1,9 +1,11 @@
 """Read a local Hugging Face ``config.json`` into a ``TransformerConfig``.
 
 Supported ``model_type``s: bert, roberta (and xlm-roberta), gpt2, llama (and mistral,
-which shares Llama's module tree), and ``bing_bert``: a BERT config.json read as
-DeepSpeed's bing_bert with its transformer kernel (``commsim.models.bing_bert``; not a
-Hugging Face type, commsim's name for that model). The file is only read, never downloaded. Missing
+which shares Llama's module tree), ``bing_bert``: a BERT config.json read as
+DeepSpeed's bing_bert with its transformer kernel (``commsim.models.bing_bert``), and
+``megatron_gpt``: a GPT-2 config.json read as Megatron-LM's GPT with its fused kernels
+(``commsim.models.megatron_gpt``); the last two are not Hugging Face types but
+commsim's names for those models. The file is only read, never downloaded. Missing
 or invalid fields are reported with the file and the field name.
 """
 
@@ -16,7 +18,7 @@ from commsim.ir.errors import CommsimInputError
 from commsim.models.transformer import ACTIVATIONS, ATTENTIONS, TransformerConfig
 from commsim.util.files import read_json
 
-SUPPORTED = ("bert", "roberta", "xlm-roberta", "gpt2", "llama", "mistral", "bing_bert")
+SUPPORTED = ("bert", "roberta", "xlm-roberta", "gpt2", "llama", "mistral", "bing_bert", "megatron_gpt")
 
 
 def _get(cfg: dict[str, Any], path: Path, *keys: str, default: int | None = None) -> int:
@@ -98,11 +100,11 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
             activation=_get_act(cfg, path, "hidden_act"),
             attention=_get_attention(cfg, path),
         )
-    if mtype == "gpt2":
+    if mtype in ("gpt2", "megatron_gpt"):
         hidden = _get(cfg, path, "n_embd", "hidden_size")
         return TransformerConfig(
             name=name,
-            family="gpt2",
+            family=mtype,
             layers=_get(cfg, path, "n_layer", "num_hidden_layers"),
             hidden=hidden,
             heads=_get(cfg, path, "n_head", "num_attention_heads"),

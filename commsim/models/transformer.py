@@ -13,7 +13,9 @@ trees are written in ``commsim.models.families``, into this module's ``Builder``
 
 A fourth, ``bing_bert`` (``commsim.models.bing_bert``), is DeepSpeed's BERT pre-training
 model with DeepSpeed's fused transformer kernel: each encoder layer one module whose
-kernels are DeepSpeed's CUDA layer's, not Hugging Face's.
+kernels are DeepSpeed's CUDA layer's, not Hugging Face's. A fifth, ``megatron_gpt``
+(``commsim.models.megatron_gpt``), is Megatron-LM's GPT with its fused kernels (fused
+causal softmax, bias-GELU and bias-dropout-add, apex's LayerNorm).
 
 Each module carries the kernels Hugging Face's eager code launches in training mode
 (dropout active), one per ATen call (``commsim.models.eager``), in forward and in the
@@ -44,7 +46,7 @@ from commsim.models.eager import PYTORCH_1_10, Eager, Op, TorchBehaviour, chain
 from commsim.models.families import LOWER
 from commsim.models.spec import ArchInfo, ModelDescription, ModuleKind, ModuleSpec, ParamSpec, Role
 
-FAMILIES = ("roberta", "bert", "gpt2", "llama", "bing_bert")
+FAMILIES = ("roberta", "bert", "gpt2", "llama", "bing_bert", "megatron_gpt")
 # Activations with one kernel each way (gelu: erf; gelu_pytorch_tanh: F.gelu(approximate="tanh")),
 # and gelu_new, Hugging Face's tanh formula written in Python (8 kernels forward).
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
@@ -57,7 +59,9 @@ ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 # today), for the llama family.
 ATTENTIONS = ("eager", "sdpa")
 FAMILY_DEFAULTS = {"roberta": (0.1, 0.1, "gelu"), "bert": (0.1, 0.1, "gelu"), "gpt2": (0.1, 0.1, "gelu_new"),
-                   "llama": (0.0, 0.0, "silu"), "bing_bert": (0.1, 0.1, "gelu")}
+                   "llama": (0.0, 0.0, "silu"), "bing_bert": (0.1, 0.1, "gelu"),
+                   # Megatron-LM's GPT: hidden and attention dropout 0.1, its bias-GELU (tanh)
+                   "megatron_gpt": (0.1, 0.1, "gelu_new")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +107,10 @@ class TransformerConfig:
                                            or self.attention != "eager"):
             raise CommsimInputError(f"model {self.name}: the bing_bert family is DeepSpeed's transformer kernel as "
                                     f"trained: gelu, both dropouts active, its own attention")
+        if self.family == "megatron_gpt" and (self.act != "gelu_new" or self.attention != "eager"):
+            raise CommsimInputError(f"model {self.name}: the megatron_gpt family is Megatron-LM's GPT as its "
+                                    f"fused kernels run it: its bias-GELU (gelu_new's tanh formula), its own "
+                                    f"attention")
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise CommsimInputError(f"model {self.name}: activation {self.activation!r} is not one of "
                                     f"{', '.join(ACTIVATIONS)}")
@@ -252,7 +260,7 @@ def describe(cfg: TransformerConfig, micro_batch: int, seq_len: int, dtype_bytes
         raise CommsimInputError(f"micro-batch must be a positive integer, got {micro_batch}")
     if seq_len <= 0:
         raise CommsimInputError(f"sequence length must be a positive integer, got {seq_len}")
-    if cfg.family in ("roberta", "bert", "gpt2", "bing_bert") and seq_len > cfg.max_positions:
+    if cfg.family in ("roberta", "bert", "gpt2", "bing_bert", "megatron_gpt") and seq_len > cfg.max_positions:
         raise CommsimInputError(
             f"model {cfg.name}: sequence length {seq_len} exceeds its {cfg.max_positions} learned positions"
         )
@@ -261,7 +269,7 @@ def describe(cfg: TransformerConfig, micro_batch: int, seq_len: int, dtype_bytes
         # random rows (transformer.py, 0.5.10 lines 180-190), which is not modelled
         raise CommsimInputError(f"model {cfg.name}: sequence length {seq_len} is not a multiple of 16, which "
                                 f"DeepSpeed's transformer kernel pads to; use a multiple of 16")
-    if cfg.family in ("gpt2", "llama") and seq_len < 2:
+    if cfg.family in ("gpt2", "llama", "megatron_gpt") and seq_len < 2:
         raise CommsimInputError(f"model {cfg.name}: a causal LM's loss needs a sequence of at least 2 tokens")
     bd = Builder(cfg, micro_batch, seq_len, dtype_bytes, torch)
     LOWER[cfg.family](bd)
