@@ -118,6 +118,8 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
             attention_dropout=_get_prob(cfg, path, "attn_pdrop"),
             activation=_get_act(cfg, path, "activation_function"),
             attention=_get_attention(cfg, path),
+            # Megatron's --masked-softmax-fusion (default on)
+            softmax_fusion=_get_bool(cfg, path, "masked_softmax_fusion", True) if mtype == "megatron_gpt" else True,
         )
     heads = _get(cfg, path, "num_attention_heads")
     for unsupported in ("attention_bias", "mlp_bias"):

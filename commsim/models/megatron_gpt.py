@@ -25,8 +25,10 @@ One layer, forward (the tensors are [s, b, h]; t = s b tokens, B = b x heads):
 * ``scale_mask_softmax``: ``ScaledUpperTriangMaskedSoftmax``, one CUDA kernel that
   scales, applies the causal mask and normalises in fp16 (SM:134-175), when 16 < s <=
   2048, s % 4 == 0 and B % 4 == 0 (2048: the 2021 kernel's limit, the inline comment at
-  SM:149); backward one kernel in place. Otherwise PyTorch's chain (SM:183-198): to
-  fp32, scale, masked_fill, softmax, back to fp16.
+  SM:149); backward one kernel in place. Otherwise, or with the fusion off
+  (``"masked_softmax_fusion": false`` in config.json, Megatron's
+  ``--no-masked-softmax-fusion``), PyTorch's chain (SM:183-198): to fp32, scale,
+  masked_fill, softmax, back to fp16.
 * ``attention_dropout``: ``native_dropout`` (inside the model-parallel RNG tracker's fork,
   which only swaps generator state on the host).
 * AV: ``torch.bmm`` on the strided value view, then the context's
@@ -79,7 +81,7 @@ class _Kernels:
         self.h, self.f, self.nh, self.hd = c.hidden, c.ffn, c.heads, c.head_dim
         self.B = self.b * self.nh
         self.S = self.B * self.s * self.s  # attention-score elements
-        self.fused_softmax = fused_softmax_applies(self.s, self.B)
+        self.fused_softmax = c.softmax_fusion and fused_softmax_applies(self.s, self.B)
 
     def pw(self, name: str, shape: tuple[int, ...], read_bytes: int, kind: K = K.ELEMENTWISE, out: int | None = None,
            extra_written: int = 0) -> Kernel:

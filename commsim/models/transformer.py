@@ -82,6 +82,9 @@ class TransformerConfig:
     attention_dropout: float | None = None
     activation: str | None = None
     attention: str = "eager"  # one of ATTENTIONS
+    # megatron_gpt: Megatron's --masked-softmax-fusion (its fused causal softmax kernel);
+    # False: --no-masked-softmax-fusion, PyTorch's fp32 chain
+    softmax_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -107,6 +110,9 @@ class TransformerConfig:
                                            or self.attention != "eager"):
             raise CommsimInputError(f"model {self.name}: the bing_bert family is DeepSpeed's transformer kernel as "
                                     f"trained: gelu, both dropouts active, its own attention")
+        if not self.softmax_fusion and self.family != "megatron_gpt":
+            raise CommsimInputError(f"model {self.name}: masked_softmax_fusion is Megatron-LM's option (the "
+                                    f"megatron_gpt family), not {self.family}'s")
         if self.family == "megatron_gpt" and (self.act != "gelu_new" or self.attention != "eager"):
             raise CommsimInputError(f"model {self.name}: the megatron_gpt family is Megatron-LM's GPT as its "
                                     f"fused kernels run it: its bias-GELU (gelu_new's tanh formula), its own "

@@ -96,3 +96,20 @@ def test_config_json_and_refusals(tmp_path):
     with pytest.raises(CommsimInputError, match="exceeds its 128 learned positions"):
         describe(TransformerConfig("x", family="megatron_gpt", layers=1, hidden=64, heads=4, ffn=256, vocab=10,
                                    max_positions=128), 1, 256)
+
+
+def test_softmax_fusion_off_runs_pytorchs_chain(tmp_path):
+    """Megatron's --no-masked-softmax-fusion, as config.json's masked_softmax_fusion."""
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"model_type": "megatron_gpt", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                             "vocab_size": 1000, "n_positions": 128, "masked_softmax_fusion": False}))
+    cfg = load_hf_config(p)
+    assert not cfg.softmax_fusion
+    sm = next(m for m in _block(describe(cfg, 2, 64), 1) if m.path.endswith("scale_mask_softmax"))
+    assert [k.name for k in sm.fwd][1:] == ["softmax.to_fp32", "softmax.scale", "softmax.mask", "softmax",
+                                            "softmax.to_input"]
+    # 36 bytes an element: 2 + 4, 4 + 4, 4 + 4 (+ the mask), 4 + 4, 4 + 2
+    S = 2 * 4 * 64 * 64
+    assert sum(k.bytes_read + k.bytes_written for k in sm.fwd[1:]) == 36 * S + 2 * 64 * 64
+    with pytest.raises(CommsimInputError, match="masked_softmax_fusion is Megatron-LM's option"):
+        TransformerConfig("g", family="gpt2", layers=1, hidden=64, heads=4, ffn=256, vocab=10, softmax_fusion=False)
