@@ -33,12 +33,13 @@ class TransformerConfig:
 
     def __init__(self, name, family, layers, hidden, heads, ffn, vocab, max_positions=512, kv_heads=None,
                  type_vocab=1, tie_embeddings=True, hidden_dropout=None, attention_dropout=None, activation=None,
-                 attention="eager"):
-        if family != "roberta" or attention != "eager":
+                 attention="eager", softmax_fusion=True):
+        if family != "roberta" or attention != "eager" or not softmax_fusion:
             raise ValueError(f"{family} / {attention}: only the harness's roberta model with eager attention")
         self.name, self.family, self.layers, self.hidden, self.heads = name, family, layers, hidden, heads
         self.ffn, self.vocab, self.max_positions, self.kv_heads = ffn, vocab, max_positions, kv_heads
         self.type_vocab, self.tie_embeddings, self.attention = type_vocab, tie_embeddings, attention
+        self.softmax_fusion = softmax_fusion
         self.hidden_dropout, self.attention_dropout, self.activation = hidden_dropout, attention_dropout, activation
 
     @property
