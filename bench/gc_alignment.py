@@ -13,7 +13,9 @@ the depth's, its tensors small) with ``--gc-log``, which times every collection 
 rank with the step, phase and module hooks run so far (the program position), and
 reports:
 
-* per rank, the collections per generation and each full pass (step, phase, hook, pause);
+* per rank, the collections per generation, the objects promoted to the oldest generation
+  a step (the survivors of its generation-1 passes), and each full pass (step, phase,
+  hook, pause, the objects it visited and the time per object);
 * alignment: the collections (from step 3 on, after start-up's rank-dependent work) that
   every rank ran at the same step and hook, and for the full passes, the spread of their
   start times across the ranks;
@@ -47,9 +49,17 @@ def alignment(logs: list[dict]) -> dict:
     for d in logs:
         ev = [e for e in d["events"] if e["step"] >= SETTLED_STEP]
         full = [e for e in d["events"] if e["generation"] == 2 and e["step"] >= 0]
+        # the objects generation-1 passes promoted to the oldest generation, per step
+        # settled (logs that counted them: ds_train's --gc-log does)
+        promoted = [e["survivors"] for e in ev if e["generation"] == 1 and "survivors" in e]
+        settled = len(d["step_times_s"]) - SETTLED_STEP
         ranks.append({"collections": {str(g): sum(e["generation"] == g for e in ev) for g in (0, 1, 2)},
+                      "promoted_per_step": round(sum(promoted) / settled, 1) if promoted and settled > 0 else None,
                       "full_passes": [{"step": e["step"], "phase": e["phase"], "hooks": e["hooks"],
-                                       "pause_ms": round(e["pause_s"] * 1e3, 1)} for e in full]})
+                                       "pause_ms": round(e["pause_s"] * 1e3, 1),
+                                       **({"objects": e["examined"],
+                                           "us_per_object": round(e["pause_s"] * 1e6 / e["examined"], 3)}
+                                          if "examined" in e else {})} for e in full]})
     # collections by program position (several may fall between two hooks)
     positions = [Counter((e["step"], e["hooks"]) for e in d["events"] if e["step"] >= SETTLED_STEP) for d in logs]
     common, union = positions[0], positions[0]
@@ -124,8 +134,10 @@ def main() -> None:
     rep = {"ranks": args.ranks, "steps": args.steps, "layers": args.layers, "stage": args.stage, "seq": args.seq,
            "gc_threshold": args.gc_threshold, "steps_per_print": args.steps_per_print, "python": sys.version.split()[0], **alignment(logs)}
     for r, rr in enumerate(rep["ranks"]):
-        print(f"rank {r}: collections (gen 0/1/2) {rr['collections']}; full passes "
+        print(f"rank {r}: collections (gen 0/1/2) {rr['collections']}; {rr['promoted_per_step']} objects promoted a "
+              "step; full passes "
               + (", ".join(f"step {p['step']} {p['phase']} hook {p['hooks']} {p['pause_ms']} ms"
+                           + (f" over {p['objects']} objects ({p['us_per_object']} us each)" if "objects" in p else "")
                            for p in rr["full_passes"]) or "none"))
     print(f"collections at the same step and hook on every rank: {rep['positions_shared']} of "
           f"{rep['positions_any']}; full passes: {rep['full_passes_shared']} of {rep['full_passes_any']}, "

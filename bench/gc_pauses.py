@@ -46,18 +46,26 @@ WARMUP = 20  # steps before counting: the trace is recorded and the caches are w
 
 
 class GcTimer:
-    """gc.callbacks: each collection's generation and pause, tagged with the step."""
+    """gc.callbacks: each collection's generation and pause, tagged with the step; and
+    each generation-1 pass's survivors (the objects it promotes to the oldest
+    generation), counted before it starts (outside its pause)."""
 
     def __init__(self) -> None:
         self.step = -1
         self.events: list[tuple[int, int, int]] = []  # (step, generation, ns)
+        self.promoted: list[tuple[int, int]] = []  # (step, objects) of each generation-1 pass
         self._start = 0
+        self._examined = 0
 
     def __call__(self, phase: str, info: dict) -> None:
+        gen = info["generation"]
         if phase == "start":
+            self._examined = len(gc.get_objects(0)) + len(gc.get_objects(1)) if gen == 1 else 0
             self._start = time.perf_counter_ns()
         else:
-            self.events.append((self.step, info["generation"], time.perf_counter_ns() - self._start))
+            self.events.append((self.step, gen, time.perf_counter_ns() - self._start))
+            if gen == 1:
+                self.promoted.append((self.step, self._examined - info["collected"]))
 
 
 def summarise(events: list[tuple[int, int, int]], walls_ns: list[int], first: int, steps: int) -> dict:
@@ -108,6 +116,8 @@ def measure(release, steps: int) -> dict:
                 # a full pass runs once the promotions since the last exceed a quarter of
                 # what survived it (about every tracked object): promoted per step
                 "promoted_per_step": tracked / 4 / period if period else None,
+                # counted: the survivors of the generation-1 passes of the counted steps
+                "promoted_per_step_counted": sum(n for st, n in timer.promoted if st >= WARMUP) / steps,
                 "thresholds": list(gc.get_threshold())})
     return out
 
@@ -150,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
           + "; ".join(f"{k} {v['per_step']:.2f}/step, median {v['median_us']:.0f} us, {v['us_per_step']:.0f} us/step"
                       for k, v in g.items())
           + f"; full pass every {doc['full_pass_period_steps'] or 'no'} steps; {doc['tracked_objects']} objects tracked; "
+          f"{doc['promoted_per_step_counted']:.0f} promoted a step (counted); "
           f"step {doc['step_ms']['median']:.1f} ms (p99 {doc['step_ms']['p99']:.1f})")
     return 0
 

@@ -30,6 +30,18 @@ def test_report_counts_shared_positions_and_what_the_job_paid():
     assert rep["steps_with_a_full_pass"] == [{"step": 6, "extra_ms": 200.0, "pause_ms": 200.0, "pauses_paid": 1.0}]
     assert rep["ranks"][0]["collections"] == {"0": 2, "1": 0, "2": 1}
     assert rep["ranks"][1]["full_passes"] == [{"step": 6, "phase": "backward", "hooks": 60, "pause_ms": 200.0}]
+    assert rep["ranks"][0]["promoted_per_step"] is None  # no generation-1 pass counted its survivors
+
+
+def test_promotions_and_time_per_object_from_counted_passes():
+    steps = [1.0] * 10  # 7 settled steps (3-9)
+    gen1 = [dict(ev(1, st, 10 * st, float(st)), examined=500, survivors=140) for st in (2, 4, 6, 8)]
+    full = dict(ev(2, 9, 90, 9.0, 0.25), examined=500_000, survivors=499_000)
+    rep = ga.alignment([{"events": gen1 + [full], "step_times_s": steps}] * 2)
+    # three passes in the settled steps (step 2's is start-up): 3 x 140 / 7
+    assert rep["ranks"][0]["promoted_per_step"] == 60.0
+    assert rep["ranks"][0]["full_passes"][0] == {"step": 9, "phase": "backward", "hooks": 90, "pause_ms": 250.0,
+                                                 "objects": 500_000, "us_per_object": 0.5}
 
 
 def test_a_pass_on_one_rank_only_is_not_shared():

@@ -33,6 +33,13 @@ def test_full_pass_period():
 def test_timer_tags_each_collection_with_the_step():
     t = gc_pauses.GcTimer()
     t.step = 7
+    young = [[] for _ in range(50)]  # containers the collector tracks, in the young generations
     t("start", {"generation": 1})
-    t("stop", {"generation": 1})
+    t("stop", {"generation": 1, "collected": 3})
     assert len(t.events) == 1 and t.events[0][:2] == (7, 1) and t.events[0][2] >= 0
+    # a generation-1 pass promotes what it examined less what it collected
+    (step, promoted), = t.promoted
+    assert step == 7 and len(young) - 3 <= promoted
+    t("start", {"generation": 0})
+    t("stop", {"generation": 0, "collected": 0})
+    assert len(t.promoted) == 1  # young passes promote nothing to the oldest generation

@@ -32,7 +32,9 @@ def minor_faults() -> int:
 class GcLog:
     """Every garbage collection of this process: its generation, the step and phase it
     fell in, the module hooks run so far (the program position: identical programs
-    collect at the same count) and its pause, timed by ``gc.callbacks``."""
+    collect at the same count) and its pause, timed by ``gc.callbacks``; for the older
+    generations also the objects examined and those that survived (a generation-1
+    pass's survivors are the objects promoted to the oldest generation)."""
 
     def __init__(self, model) -> None:
         import gc
@@ -41,6 +43,7 @@ class GcLog:
         self.events: list[dict] = []
         self.step_starts_s: list[float] = []  # perf_counter: one clock for every process of the machine
         self._start = 0.0
+        self._examined: int | None = None
         for mod in model.modules():
             mod.register_forward_pre_hook(self._hook)
             mod.register_full_backward_pre_hook(self._hook)
@@ -54,12 +57,22 @@ class GcLog:
         self.hooks += 1
 
     def _callback(self, what: str, info: dict) -> None:
+        import gc
+
+        gen = info["generation"]
         if what == "start":
+            # the objects this collection examines (counted for the older generations
+            # only: a young one runs several times a step): a generation-1 pass promotes
+            # its survivors to the oldest generation, a full pass visits every object
+            self._examined = sum(len(gc.get_objects(g)) for g in range(gen + 1)) if gen else None
             self._start = time.perf_counter()
             return
-        self.events.append({"generation": info["generation"], "step": self.step, "phase": self.phase,
-                            "hooks": self.hooks, "at_s": self._start, "pause_s": time.perf_counter() - self._start,
-                            "collected": info["collected"]})
+        ev = {"generation": gen, "step": self.step, "phase": self.phase, "hooks": self.hooks, "at_s": self._start,
+              "pause_s": time.perf_counter() - self._start, "collected": info["collected"]}
+        if self._examined is not None:
+            ev["examined"] = self._examined
+            ev["survivors"] = self._examined - info["collected"]
+        self.events.append(ev)
 
     def write(self, path: str, step_times_s: list[float]) -> None:
         import gc
