@@ -110,8 +110,8 @@ def main() -> None:
                     "log_summary() prints the table")
     ap.add_argument("--gc-log", metavar="PREFIX",
                     help="time every garbage collection of every rank and write PREFIX.rank<N>.json: per collection "
-                    "its generation, step, phase, module-hook count (the program position) and pause "
-                    "(bench/gc_alignment.py reads them)")
+                    "its generation, step, phase, module-hook count (the program position) and pause, and for "
+                    "the older generations the objects examined and surviving (bench/gc_alignment.py reads them)")
     ap.add_argument("--gc-threshold", metavar="T0,T1,T2",
                     help="gc.set_threshold(T0, T1, T2) before the first step (CPython's default 700,10,10): lower "
                     "ones make a short run collect as often as a long run of a large model does")
