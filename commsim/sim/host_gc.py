@@ -14,9 +14,10 @@ Where the ranks' passes fall (``HostGc.aligned``):
 
 * aligned (the default): ranks that run the same program allocate alike, so their
   collectors trigger at the same point of it. Measured on a real DeepSpeed ZeRO-3 job
-  (``bench/gc_alignment.py``, 2 and 4 gloo ranks: every rank's full pass at the same
-  step and module hook, starting within a few ms of each other, and the step paid one
-  pause, not one per rank). The job pays one rank's passes, whatever its size.
+  (``bench/gc_alignment.py``, 2 and 4 gloo ranks: every collection of every rank at the
+  same step and module hook, the full passes' starts a fraction of a pause apart, and
+  their step one to two pauses longer, not one per rank). The job pays one rank's
+  passes, whatever its size.
 * independent: each rank at its own phase in the period, as in a script whose ranks do
   different Python work (rank 0's logging that keeps objects, uneven data handling). The
   job pays every rank's passes, which grows with the ranks.
