@@ -29,7 +29,7 @@ from commsim.profile_use import cost_model, check_profile_fits, host_costs_used
 from commsim.scenario_defaults import bf16_warning, default_ds_config, default_fsdp_config, default_half
 from commsim.report.metrics import Metrics, StepInfo, compute_metrics, step_info
 from commsim.sim.engine import SimConfig, SimResult, Simulator, simulate
-from commsim.sim.host_gc import parse_host_gc
+from commsim.sim.host_gc import aligned_by_default, parse_host_gc
 
 
 @dataclass(frozen=True)
@@ -304,7 +304,8 @@ def predict(sc: Scenario) -> Prediction:
     if sc.host_jitter is not None and not 0 <= sc.host_jitter < 1:
         raise CommsimInputError(f"--host-jitter {sc.host_jitter}: a relative standard deviation in [0, 1)")
     try:
-        host_gc = parse_host_gc(sc.host_gc) if sc.host_gc is not None else None
+        host_gc = parse_host_gc(sc.host_gc, aligned_by_default(schedule.meta.strategy)) \
+            if sc.host_gc is not None else None
     except ValueError as e:
         raise CommsimInputError(f"--host-gc {e}") from None
     if sc.host_heap and cost.fresh_page_ns_per_byte() is None:

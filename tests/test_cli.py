@@ -489,6 +489,11 @@ def test_host_gc_stops_every_rank_for_each_ranks_pass():
     assert aligned["step_time_s"] - still["step_time_s"] == pytest.approx(0.0125, rel=0.02)
     assert "every rank's at the same point (the job pays one rank's passes), 0.013 s of host time a step (one " \
            "rank's passes)" in run("predict", *args, "--host-gc", "4:50").stdout
+    # ZeRO-2's ranks own different partitions: independent unless told otherwise
+    z2 = ("--model", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "64",
+          "--stage", "2")
+    assert predict_json(*z2, "--host-gc", "4:50")["host_gc"] == [4.0, 0.05, "independent"]
+    assert predict_json(*z2, "--host-gc", "4:50:aligned")["host_gc"] == [4.0, 0.05, "aligned"]
     out = run("predict", *args, "--host-gc", "50")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == ["commsim: error: --host-gc '50': PERIOD_STEPS:PAUSE_MS[:aligned|"

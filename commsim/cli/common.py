@@ -131,8 +131,9 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    "grows with the ranks (default: the platform's; 0 on every GPU preset, not yet measured there)")
     p.add_argument("--host-gc", metavar="PERIOD_STEPS:PAUSE_MS[:aligned|independent]",
                    help="each rank's Python runs a full garbage collection every PERIOD_STEPS steps of its host "
-                   "work, stopping its host PAUSE_MS; aligned (the default, measured for identical ranks): every "
-                   "rank at the same point of the step, so the job pays one rank's passes; independent: each rank "
+                   "work, stopping its host PAUSE_MS; aligned (the default, measured for ZeRO-3's identical "
+                   "ranks): every rank at the same point of the step, so the job pays one rank's passes; "
+                   "independent (the default for ZeRO-1 / 2, whose ranks own different partitions): each rank "
                    "at its own phase, the others waiting for it at their next collective (bench/gc_pauses.py "
                    "measures period and pause for a DeepSpeed release, bench/gc_alignment.py where the ranks' "
                    "passes fall; default: none, as a loop that turned the collector off)")

@@ -12,15 +12,16 @@ to absorb it.
 
 Where the ranks' passes fall (``HostGc.aligned``):
 
-* aligned (the default): ranks that run the same program allocate alike, so their
-  collectors trigger at the same point of it. Measured on a real DeepSpeed ZeRO-3 job
-  (``bench/gc_alignment.py``, 2 and 4 gloo ranks: every collection of every rank at the
-  same step and module hook, the full passes' starts a fraction of a pause apart, and
-  their step one to two pauses longer, not one per rank). The job pays one rank's
-  passes, whatever its size.
+* aligned (the default but for ZeRO-1 / 2): ranks that run the same program allocate
+  alike, so their collectors trigger at the same point of it. Measured on a real
+  DeepSpeed ZeRO-3 job (``bench/gc_alignment.py``, 2 and 4 gloo ranks: every collection
+  of every rank at the same step and module hook, the full passes' starts a fraction of
+  a pause apart, and their step one to two pauses longer, not one per rank). The job
+  pays one rank's passes, whatever its size.
 * independent: each rank at its own phase in the period, as in a script whose ranks do
-  different Python work (rank 0's logging that keeps objects, uneven data handling). The
-  job pays every rank's passes, which grows with the ranks.
+  different Python work: ZeRO-1 / 2, whose ranks own different slices of the flat
+  partition (measured: 2 ZeRO-2 ranks passed 13 steps apart), rank-dependent data
+  handling. The job pays every rank's passes, which grows with the ranks.
 
 Per-rank mode draws the phase (one for all ranks when aligned) and stops a rank's host
 where its work crosses a trigger (``GcClock``). Symmetric mode, one rank standing for
@@ -144,15 +145,25 @@ class GcClock:
 ALIGNMENTS = ("aligned", "independent")
 
 
-def parse_host_gc(text: str) -> HostGc:
-    """``PERIOD_STEPS:PAUSE_MS[:aligned|independent]`` (e.g. ``30:200``, aligned by
-    default) as a HostGc; ValueError naming what is wrong."""
+def aligned_by_default(strategy: str | None) -> bool:
+    """Whether a strategy's ranks collect together: every rank of ZeRO-3 (and of FSDP2
+    and plain data parallelism, whose ranks hold the same shards of every parameter or
+    all of them) runs the same Python; ZeRO-1 / 2 ranks own different slices of the flat
+    partition, and their bookkeeping differs (measured: ZeRO-2's ranks promote 100 and 96
+    objects a step and pass at different steps; bench/gc_alignment.py)."""
+    return strategy not in ("zero1", "zero2")
+
+
+def parse_host_gc(text: str, default_aligned: bool = True) -> HostGc:
+    """``PERIOD_STEPS:PAUSE_MS[:aligned|independent]`` (e.g. ``30:200``; without the
+    third part ``default_aligned``, the strategy's: ``aligned_by_default``) as a HostGc;
+    ValueError naming what is wrong."""
     parts = text.split(":")
     try:
         if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ALIGNMENTS):
             raise ValueError
-        gc = HostGc(float(parts[0]), int(round(float(parts[1]) * 1e6)), aligned=len(parts) == 2
-                    or parts[2] == "aligned")
+        gc = HostGc(float(parts[0]), int(round(float(parts[1]) * 1e6)),
+                    aligned=default_aligned if len(parts) == 2 else parts[2] == "aligned")
     except ValueError:
         raise ValueError(f"{text!r}: PERIOD_STEPS:PAUSE_MS[:aligned|independent], a positive number of steps, a "
                          "non-negative pause in ms and where the ranks' passes fall, e.g. 30:200 or "
