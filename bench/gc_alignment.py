@@ -5,13 +5,13 @@
 A full collection stops one rank's host for a pause that grows with the objects its
 interpreter tracks (``bench/gc_pauses.py``); the other ranks wait for it at their next
 collective. What the job pays depends on where the ranks' passes fall: at the same point
-of the step, the job pays one pause per pass; each at its own phase, one per rank's
-pass (``commsim.sim.host_gc``, ``--host-gc``'s ``aligned`` / ``independent``). This
-runs real DeepSpeed (``runtime.examples.ds_train``, CPU accelerator, gloo, ``--ranks``
-processes) on a deep, narrow RoBERTa (``--layers`` layers of width 64: a step's Python is
-the depth's, its tensors small) with ``--gc-log``, which times every collection of every
-rank with the step, phase and module hooks run so far (the program position), and
-reports:
+of the step, the job pays one pause per pass; each at its own phase, one per rank's pass
+(``commsim.sim.host_gc``, ``--host-gc``'s ``aligned`` / ``independent``). This runs real
+DeepSpeed (``runtime.examples.ds_train``, CPU accelerator, gloo, ``--ranks`` processes;
+``--runner fsdp2``: PyTorch FSDP2, ``runtime.examples.fsdp_train``) on a deep, narrow
+RoBERTa (``--layers`` layers of width 64: a step's Python is the depth's, its tensors
+small) with ``--gc-log``, which times every collection of every rank with the step,
+phase and module hooks run so far (the program position), and reports:
 
 * per rank, the collections per generation, the objects promoted to the oldest generation
   a step (the survivors of its generation-1 passes), and each full pass (step, phase,
@@ -87,7 +87,7 @@ def alignment(logs: list[dict]) -> dict:
 
 
 def run_job(ranks: int, steps: int, layers: int, stage: int, seq: int, threshold: str | None, folder: Path,
-            steps_per_print: int | None = None) -> list:
+            steps_per_print: int | None = None, runner: str = "deepspeed") -> list:
     cfg = folder / "model" / "config.json"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(json.dumps({"model_type": "roberta", "hidden_size": 64, "num_hidden_layers": layers,
@@ -101,12 +101,17 @@ def run_job(ranks: int, steps: int, layers: int, stage: int, seq: int, threshold
     prefix = folder / "gc"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "-m", "runtime.examples.ds_train", "--model", str(cfg), "--seq", str(seq), "--ds-config", str(ds),
-           "--steps", str(steps), "--gc-log", str(prefix)]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    if runner == "fsdp2":  # FSDP2's defaults: every layer a unit, the root another
+        cmd = launch + ["-m", "runtime.examples.fsdp_train", "--model", str(cfg), "--seq", str(seq), "--micro-batch",
+                        "2", "--steps", str(steps), "--gc-log", str(prefix)]
+    else:
+        cmd = launch + ["-m", "runtime.examples.ds_train", "--model", str(cfg), "--seq", str(seq), "--ds-config",
+                        str(ds), "--steps", str(steps), "--gc-log", str(prefix)]
     if threshold:
         cmd += ["--gc-threshold", threshold]
-    print(f"running {ranks} ranks x {steps} steps of a {layers}-layer model (ZeRO-{stage})...", file=sys.stderr)
+    what = "FSDP2" if runner == "fsdp2" else f"ZeRO-{stage}"
+    print(f"running {ranks} ranks x {steps} steps of a {layers}-layer model ({what})...", file=sys.stderr)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
         raise SystemExit(f"the job failed:\n{out.stderr[-3000:]}")
@@ -118,7 +123,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+    ap.add_argument("--runner", choices=("deepspeed", "fsdp2"), default="deepspeed",
+                    help="real DeepSpeed (ds_train) or PyTorch FSDP2 (fsdp_train)")
+    ap.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3), help="DeepSpeed's ZeRO stage")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--gc-threshold", metavar="T0,T1,T2", help="CPython's collector thresholds for the run")
     ap.add_argument("--steps-per-print", type=int,
@@ -130,8 +137,9 @@ def main() -> None:
         ap.error(f"--ranks must be at least 2 and --steps more than {SETTLED_STEP + 1}")
     with tempfile.TemporaryDirectory() as tmp:
         logs = run_job(args.ranks, args.steps, args.layers, args.stage, args.seq, args.gc_threshold, Path(tmp),
-                       args.steps_per_print)
-    rep = {"ranks": args.ranks, "steps": args.steps, "layers": args.layers, "stage": args.stage, "seq": args.seq,
+                       args.steps_per_print, args.runner)
+    rep = {"runner": args.runner, "ranks": args.ranks, "steps": args.steps, "layers": args.layers,
+           "stage": args.stage if args.runner == "deepspeed" else None, "seq": args.seq,
            "gc_threshold": args.gc_threshold, "steps_per_print": args.steps_per_print, "python": sys.version.split()[0], **alignment(logs)}
     for r, rr in enumerate(rep["ranks"]):
         print(f"rank {r}: collections (gen 0/1/2) {rr['collections']}; {rr['promoted_per_step']} objects promoted a "

@@ -62,3 +62,12 @@ def test_real_ranks_collect_at_the_same_program_points(tmp_path):
     assert all(sum(r["collections"].values()) >= 10 for r in rep["ranks"])
     # measured here: every one shared; a thread of the runtime's allocating could move a few
     assert rep["positions_shared"] >= 0.9 * rep["positions_any"]
+
+
+def test_real_fsdp2_ranks_log_their_collections(tmp_path):
+    # the same log from PyTorch FSDP2's script
+    logs = ga.run_job(ranks=2, steps=8, layers=4, stage=3, seq=16, threshold="100,3,3", folder=tmp_path,
+                      runner="fsdp2")
+    rep = ga.alignment(logs)
+    assert all(sum(r["collections"].values()) >= 10 for r in rep["ranks"])
+    assert all(r["promoted_per_step"] is not None for r in rep["ranks"])

@@ -146,11 +146,11 @@ ALIGNMENTS = ("aligned", "independent")
 
 
 def aligned_by_default(strategy: str | None) -> bool:
-    """Whether a strategy's ranks collect together: every rank of ZeRO-3 (and of FSDP2
-    and plain data parallelism, whose ranks hold the same shards of every parameter or
-    all of them) runs the same Python; ZeRO-1 / 2 ranks own different slices of the flat
-    partition, and their bookkeeping differs (measured: ZeRO-2's ranks promote 100 and 96
-    objects a step and pass at different steps; bench/gc_alignment.py)."""
+    """Whether a strategy's ranks collect together: every rank of ZeRO-3 and of FSDP2
+    (measured: bench/gc_alignment.py) and of plain data parallelism holds the same shard
+    of every parameter, or all of them, and runs the same Python; ZeRO-1 / 2 ranks own
+    different slices of the flat partition, and their bookkeeping differs (measured:
+    ZeRO-2's ranks promote 100 and 96 objects a step and pass at different steps)."""
     return strategy not in ("zero1", "zero2")
 
 

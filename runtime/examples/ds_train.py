@@ -23,66 +23,12 @@ import resource
 import sys
 import time
 
+from runtime.examples import gc_log
+
 
 def minor_faults() -> int:
     """This process's minor page faults so far (all its threads)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-class GcLog:
-    """Every garbage collection of this process: its generation, the step and phase it
-    fell in, the module hooks run so far (the program position: identical programs
-    collect at the same count) and its pause, timed by ``gc.callbacks``; for the older
-    generations also the objects examined and those that survived (a generation-1
-    pass's survivors are the objects promoted to the oldest generation)."""
-
-    def __init__(self, model) -> None:
-        import gc
-
-        self.step, self.phase, self.hooks = -1, "setup", 0
-        self.events: list[dict] = []
-        self.step_starts_s: list[float] = []  # perf_counter: one clock for every process of the machine
-        self._start = 0.0
-        self._examined: int | None = None
-        for mod in model.modules():
-            mod.register_forward_pre_hook(self._hook)
-            mod.register_full_backward_pre_hook(self._hook)
-        gc.callbacks.append(self._callback)
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
-        self.step_starts_s.append(time.perf_counter())
-
-    def _hook(self, *_args) -> None:
-        self.hooks += 1
-
-    def _callback(self, what: str, info: dict) -> None:
-        import gc
-
-        gen = info["generation"]
-        if what == "start":
-            # the objects this collection examines (counted for the older generations
-            # only: a young one runs several times a step): a generation-1 pass promotes
-            # its survivors to the oldest generation, a full pass visits every object
-            self._examined = sum(len(gc.get_objects(g)) for g in range(gen + 1)) if gen else None
-            self._start = time.perf_counter()
-            return
-        ev = {"generation": gen, "step": self.step, "phase": self.phase, "hooks": self.hooks, "at_s": self._start,
-              "pause_s": time.perf_counter() - self._start, "collected": info["collected"]}
-        if self._examined is not None:
-            ev["examined"] = self._examined
-            ev["survivors"] = self._examined - info["collected"]
-        self.events.append(ev)
-
-    def write(self, path: str, step_times_s: list[float]) -> None:
-        import gc
-
-        gc.callbacks.remove(self._callback)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"events": self.events, "step_times_s": step_times_s, "step_starts_s": self.step_starts_s,
-                       "threshold": list(gc.get_threshold())},
-                      f)
-        os.replace(path + ".tmp", path)
 
 
 def main() -> None:
@@ -108,13 +54,7 @@ def main() -> None:
     ap.add_argument("--comms-raw-json", metavar="FILE",
                     help="with the ds_config's comms_logger enabled: write its get_raw_data() here (rank 0) before "
                     "log_summary() prints the table")
-    ap.add_argument("--gc-log", metavar="PREFIX",
-                    help="time every garbage collection of every rank and write PREFIX.rank<N>.json: per collection "
-                    "its generation, step, phase, module-hook count (the program position) and pause, and for "
-                    "the older generations the objects examined and surviving (bench/gc_alignment.py reads them)")
-    ap.add_argument("--gc-threshold", metavar="T0,T1,T2",
-                    help="gc.set_threshold(T0, T1, T2) before the first step (CPython's default 700,10,10): lower "
-                    "ones make a short run collect as often as a long run of a large model does")
+    gc_log.add_arguments(ap)
     ap.add_argument("--build-shm-comm", action="store_true",
                     help="let DeepSpeed build its CPU shared-memory all-reduce op (inference only; skipped by default)")
     args = ap.parse_args()
@@ -165,11 +105,7 @@ def main() -> None:
         for name, mod in engine.module.named_modules():
             mod.register_forward_pre_hook(lambda m, a, n=name: mark(f"fwd_pre:{n}"))
             mod.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"bwd_pre:{n}"))
-    if args.gc_threshold:
-        import gc
-
-        gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
-    gc_log = GcLog(engine.module) if args.gc_log else None
+    gcl = gc_log.start(args, engine.module)
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     times = []
     phase_times: dict[str, list[float]] = {}  # forward / backward / step (engine.step) per step
@@ -192,27 +128,27 @@ def main() -> None:
             return torch.profiler.record_function(f"ds_train.{name}") if args.torch_profile and last \
                 else contextlib.nullcontext()
 
-        if gc_log:
-            gc_log.begin_step(i)
+        if gcl:
+            gcl.begin_step(i)
         phases, faults = {}, [minor_faults()]
         t = time.perf_counter()
         if prof:
             prof.enable()
         with tprof:
-            if gc_log:
-                gc_log.phase = "forward"
+            if gcl:
+                gcl.phase = "forward"
             with phase("forward"):
                 loss = engine(ids, labels=ids)
             phases["forward"] = time.perf_counter()
             faults.append(minor_faults())
-            if gc_log:
-                gc_log.phase = "backward"
+            if gcl:
+                gcl.phase = "backward"
             with phase("backward"):
                 engine.backward(loss)
             phases["backward"] = time.perf_counter()
             faults.append(minor_faults())
-            if gc_log:
-                gc_log.phase = "step"
+            if gcl:
+                gcl.phase = "step"
             with phase("step"):
                 engine.step()
             phases["step"] = time.perf_counter()
@@ -231,8 +167,8 @@ def main() -> None:
                 print(f"phase {name}: {durs[-1] * 1e3:.1f} ms")
             print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             tprof.export_chrome_trace(args.torch_profile)
-    if gc_log:
-        gc_log.write(f"{args.gc_log}.rank{dist.get_rank()}.json", times)
+    if gcl:
+        gcl.write(f"{args.gc_log}.rank{dist.get_rank()}.json", times)
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
             json.dump({"step_times_s": times, "phase_times_s": phase_times, "phase_minor_faults": phase_faults}, f)

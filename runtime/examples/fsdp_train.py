@@ -11,7 +11,8 @@ Used under ``commsim record`` by the fidelity tests (tests/runtime/test_fsdp2_fi
 and by bench/validate_local.py (``--timings``). The optimizer is torch's AdamW. The run
 keeps its own records on request (``runtime.examples.records``): a torch.profiler trace
 of its steps (--torch-profile-dir) and Flight Recorder dumps (--flight-recorder,
---flight-recorder-json), as tests/runtime/test_run_records.py reads them.
+--flight-recorder-json), as tests/runtime/test_run_records.py reads them, and every
+rank's garbage collections (--gc-log, ``runtime.examples.gc_log``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import datetime
 import json
 import time
 
-from runtime.examples import records
+from runtime.examples import gc_log, records
 from runtime.examples.ds_train import minor_faults
 
 
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--mark-modules", action="store_true",
                     help="under commsim record: insert a marker per module hook (which module sent what)")
     records.add_arguments(ap)
+    gc_log.add_arguments(ap)
     args = ap.parse_args()
     records.before_init(args)
 
@@ -90,13 +92,16 @@ def main() -> None:
             mod.register_forward_pre_hook(lambda m, a, n=name: mark(f"fwd_pre:{n}"))
             mod.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"bwd_pre:{n}"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gcl = gc_log.start(args, model)
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     gas = fc.gradient_accumulation_steps
     times = []
     phase_times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}  # summed over micro-steps
     phase_faults: dict[str, list[int]] = {k: [] for k in phase_times}  # minor page faults (runtime.examples.ds_train)
     with records.profiling(args, args.steps) as prof:
-        for _ in range(args.steps):
+        for i in range(args.steps):
+            if gcl:
+                gcl.begin_step(i)
             t = time.perf_counter()
             spent = dict.fromkeys(phase_times, 0.0)
             faults = dict.fromkeys(phase_times, 0)
@@ -106,15 +111,21 @@ def main() -> None:
                     model.set_requires_gradient_sync(micro == gas - 1)
                 ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
                 f0 = minor_faults()
+                if gcl:
+                    gcl.phase = "forward"
                 t0 = time.perf_counter()
                 loss = model(ids, labels=ids)
                 t1, f1 = time.perf_counter(), minor_faults()
+                if gcl:
+                    gcl.phase = "backward"
                 loss.backward()
                 spent["forward"] += t1 - t0
                 spent["backward"] += time.perf_counter() - t1
                 faults["forward"] += f1 - f0
                 faults["backward"] += minor_faults() - f1
             f0 = minor_faults()  # before the clock starts: the phase's time leaves it out
+            if gcl:
+                gcl.phase = "step"
             t0 = time.perf_counter()
             opt.step()
             opt.zero_grad()
@@ -125,6 +136,8 @@ def main() -> None:
                 phase_times[k].append(v)
                 phase_faults[k].append(faults[k])
             prof.step()
+    if gcl:
+        gcl.write(f"{args.gc_log}.rank{dist.get_rank()}.json", times)
     if args.timings and dist.get_rank() == 0:
         with open(args.timings, "w") as f:
             json.dump({"step_times_s": times, "phase_times_s": phase_times, "phase_minor_faults": phase_faults}, f)
