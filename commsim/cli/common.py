@@ -133,7 +133,7 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    help="each rank's Python runs a full garbage collection every PERIOD_STEPS steps of its host "
                    "work, stopping its host PAUSE_MS; aligned (the default, measured for ZeRO-3's identical "
                    "ranks): every rank at the same point of the step, so the job pays one rank's passes; "
-                   "independent (the default for ZeRO-1 / 2, whose ranks own different partitions): each rank "
+                   "independent (the default for ZeRO-2, whose ranks were measured drifting apart): each rank "
                    "at its own phase, the others waiting for it at their next collective (bench/gc_pauses.py "
                    "measures period and pause for a DeepSpeed release, bench/gc_alignment.py where the ranks' "
                    "passes fall; default: none, as a loop that turned the collector off)")

@@ -12,16 +12,17 @@ to absorb it.
 
 Where the ranks' passes fall (``HostGc.aligned``):
 
-* aligned (the default but for ZeRO-1 / 2): ranks that run the same program allocate
+* aligned (the default but for ZeRO-2): ranks that run the same program allocate
   alike, so their collectors trigger at the same point of it. Measured on a real
   DeepSpeed ZeRO-3 job (``bench/gc_alignment.py``, 2 and 4 gloo ranks: every collection
   of every rank at the same step and module hook, the full passes' starts a fraction of
   a pause apart, and their step one to two pauses longer, not one per rank). The job
   pays one rank's passes, whatever its size.
 * independent: each rank at its own phase in the period, as in a script whose ranks do
-  different Python work: ZeRO-1 / 2, whose ranks own different slices of the flat
-  partition (measured: 2 ZeRO-2 ranks passed 13 steps apart), rank-dependent data
-  handling. The job pays every rank's passes, which grows with the ranks.
+  different Python work: ZeRO-2, whose backward keeps or drops each gradient by the
+  rank's slice of the flat partition (measured: 2 ZeRO-2 ranks passed 13 steps apart),
+  rank-dependent data handling. The job pays every rank's passes, which grows with the
+  ranks.
 
 Per-rank mode draws the phase (one for all ranks when aligned) and stops a rank's host
 where its work crosses a trigger (``GcClock``). Symmetric mode, one rank standing for
@@ -146,12 +147,12 @@ ALIGNMENTS = ("aligned", "independent")
 
 
 def aligned_by_default(strategy: str | None) -> bool:
-    """Whether a strategy's ranks collect together: every rank of ZeRO-3 and of FSDP2
-    (measured: bench/gc_alignment.py) and of plain data parallelism holds the same shard
-    of every parameter, or all of them, and runs the same Python; ZeRO-1 / 2 ranks own
-    different slices of the flat partition, and their bookkeeping differs (measured:
-    ZeRO-2's ranks promote 100 and 96 objects a step and pass at different steps)."""
-    return strategy not in ("zero1", "zero2")
+    """Whether a strategy's ranks collect together (measured with bench/gc_alignment.py):
+    those of ZeRO-3 and FSDP2, which hold the same shard of every parameter, and of
+    ZeRO-1 do; ZeRO-2's, whose backward keeps or drops each gradient by the rank's slice
+    of the flat partition, do not (its ranks promote 100 and 96 objects a step and pass
+    at different steps). Plain data parallelism's identical ranks are taken as aligned."""
+    return strategy != "zero2"
 
 
 def parse_host_gc(text: str, default_aligned: bool = True) -> HostGc:

@@ -54,11 +54,11 @@ def test_parse_and_refuse():
     assert parse_host_gc("30:200") == HostGc(30.0, 200_000_000)
     assert parse_host_gc("30:200:aligned") == HostGc(30.0, 200_000_000)
     assert parse_host_gc("30:200:independent") == HostGc(30.0, 200_000_000, aligned=False)
-    # without the third part, the strategy's default: ZeRO-1 / 2's ranks own different partitions
+    # without the third part, the strategy's default: ZeRO-2's ranks drift apart
     assert parse_host_gc("30:200", aligned_by_default("zero2")) == HostGc(30.0, 200_000_000, aligned=False)
-    assert parse_host_gc("30:200:aligned", aligned_by_default("zero1")).aligned
+    assert parse_host_gc("30:200:aligned", aligned_by_default("zero2")).aligned
     assert [aligned_by_default(s) for s in ("zero0", "zero1", "zero2", "zero3", "fsdp2")] == \
-        [True, False, False, True, True]
+        [True, True, False, True, True]
     assert parse_host_gc("2.5:0.5") == HostGc(2.5, 500_000)
     for bad in ("30", "0:200", "-1:5", "30:-1", "x:1", "30:y", "nan:5", "30:200:sometimes", "1:2:3:4"):
         with pytest.raises(ValueError, match="PERIOD_STEPS:PAUSE_MS"):
