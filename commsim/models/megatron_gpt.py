@@ -87,11 +87,10 @@ class _Kernels:
            extra_written: int = 0) -> Kernel:
         return kernel(name, kind, shape, self.a if out is None else out, read_bytes, extra_written=extra_written)
 
-    def layer_norm(self, name: str, t: int | None = None) -> Op:
+    def layer_norm(self, name: str) -> Op:
         """apex's fused LayerNorm: one kernel; backward gamma / beta (a reduction) and the
         input gradient (cuComputePartGradGammaBeta + cuComputeGradGammaBeta, cuComputeGradInput)."""
-        t = self.t if t is None else t
-        a, h = self.a, self.h
+        a, t, h = self.a, self.t, self.h
         fwd = kernel(name, K.NORM, (t, h), a, t * h * a + 2 * h * a, extra_written=2 * t * FP32)
         gb = kernel(f"{name}_bwd.gamma_beta", K.REDUCTION, (2, h), a, 2 * t * h * a + 2 * t * FP32, flops=2 * t * h)
         gi = kernel(f"{name}_bwd.input_grad", K.NORM, (t, h), a, 2 * t * h * a + 2 * t * FP32 + h * a)
