@@ -11,6 +11,7 @@ tell whether the ranks' collectors run at the same points of the step (commsim's
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -28,8 +29,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def start(args: argparse.Namespace, model) -> "GcLog | None":
     """Apply ``--gc-threshold`` and, with ``--gc-log``, start logging ``model``'s rank."""
-    import gc
-
     if args.gc_threshold:
         gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
     return GcLog(model) if args.gc_log else None
@@ -43,11 +42,8 @@ class GcLog:
     pass's survivors are the objects promoted to the oldest generation)."""
 
     def __init__(self, model) -> None:
-        import gc
-
         self.step, self.phase, self.hooks = -1, "setup", 0
         self.events: list[dict] = []
-        self.step_starts_s: list[float] = []  # perf_counter: one clock for every process of the machine
         self._start = 0.0
         self._examined: int | None = None
         for mod in model.modules():
@@ -57,14 +53,11 @@ class GcLog:
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.step_starts_s.append(time.perf_counter())
 
     def _hook(self, *_args) -> None:
         self.hooks += 1
 
     def _callback(self, what: str, info: dict) -> None:
-        import gc
-
         gen = info["generation"]
         if what == "start":
             # the objects this collection examines (counted for the older generations
@@ -81,11 +74,7 @@ class GcLog:
         self.events.append(ev)
 
     def write(self, path: str, step_times_s: list[float]) -> None:
-        import gc
-
         gc.callbacks.remove(self._callback)
         with open(path + ".tmp", "w") as f:
-            json.dump({"events": self.events, "step_times_s": step_times_s, "step_starts_s": self.step_starts_s,
-                       "threshold": list(gc.get_threshold())},
-                      f)
+            json.dump({"events": self.events, "step_times_s": step_times_s, "threshold": list(gc.get_threshold())}, f)
         os.replace(path + ".tmp", path)
