@@ -62,6 +62,9 @@ class Scenario:
     # (commsim.sim.host_gc); None: none, as a loop that turned the collector off
     host_gc: str | None = None
     host_costs: Any = None  # HostCosts overriding the defaults / the profile's measured ones
+    # how many times as long the GPU host's CPU takes for each host routine as the core
+    # the host costs were measured on (Schedule.with_host_time_scaled); 1.0: as measured
+    host_scale: float = 1.0
     extrapolate: bool = False  # let a profile price groups larger than (or placed unlike) those it measured
     host_heap: bool = False  # a framework's CPU tensors through the model of glibc's heap (SimConfig.host_heap)
     # what runs the schedule on a profile's machine: "framework" (DeepSpeed, FSDP2: the
@@ -275,6 +278,7 @@ def _info_from_schedule(schedule: Schedule, nodes: int, price: float) -> StepInf
 
 def predict(sc: Scenario) -> Prediction:
     """Generate (or load) the schedule, simulate it, compute the metrics."""
+    check_host_scale(sc.host_scale)
     cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
     if sc.schedule:
         from commsim.ir.validate import check_valid
@@ -299,6 +303,10 @@ def predict(sc: Scenario) -> Prediction:
     sources = check_profile_fits(cost, sc.hw_profile, sc, schedule, cluster) if sc.hw_profile else ()
     if sc.hw_profile or sc.schedule:
         sources += (f"host costs: {host_costs_used(sc, schedule)}",)
+    if sc.host_scale != 1:
+        schedule = schedule.with_host_time_scaled(sc.host_scale)
+        sources += (f"host: every host routine takes {sc.host_scale:g}x its time (--host-scale), the host "
+                    "optimizer's (memory-bound) excepted",)
     if sc.jitter is not None and sc.jitter < 0:
         raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
     if sc.host_jitter is not None and not 0 <= sc.host_jitter < 1:
@@ -384,7 +392,18 @@ def scenario_from_args(args: Any) -> Scenario:
         host_gc=getattr(args, "host_gc", None),
         extrapolate=getattr(args, "extrapolate", False),
         runner=getattr(args, "runner", "framework"), host_heap=getattr(args, "host_heap", False),
+        host_scale=getattr(args, "host_scale", 1.0),
     )
+
+
+def check_host_scale(scale: Any) -> None:
+    """--host-scale: a finite number > 0."""
+    import math
+
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise CommsimInputError(f"--host-scale {scale!r}: must be a number > 0, how many times as long the host's CPU "
+                                "takes for each host routine as the core the host costs were measured on (1: as "
+                                "measured)")
 
 
 def predict_scenario(args: Any) -> Prediction:

@@ -468,6 +468,23 @@ def test_host_jitter_reaches_the_simulation_and_is_reported():
                                                    "deviation in [0, 1)"]
 
 
+def test_host_scale_slows_every_host_routine_and_is_reported():
+    args = ("--model", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "64",
+            "--preset", "baseline")
+    same, slow = predict_json(*args), predict_json(*args, "--host-scale", "2")
+    assert (same["scenario"]["host_scale"], slow["scenario"]["host_scale"]) == (1.0, 2.0)
+    # 0.5.10 synchronises at every fetch: its host time is on the step's critical path
+    assert slow["stalls_s"]["host"] > same["stalls_s"]["host"] > 0
+    assert slow["step_time_s"] > same["step_time_s"]
+    line = "host: every host routine takes 2x its time (--host-scale), the host optimizer's (memory-bound) excepted"
+    assert slow["hardware_sources"] == [line] and same["hardware_sources"] == []
+    out = run("predict", *args, "--host-scale", "-1")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "commsim: error: --host-scale -1.0: must be a number > 0, how many times as long the host's CPU takes for "
+        "each host routine as the core the host costs were measured on (1: as measured)"]
+
+
 def test_host_gc_stops_every_rank_for_each_ranks_pass():
     args = ("--model", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--micro-batch", "2", "--seq", "64",
             "--preset", "baseline")

@@ -25,6 +25,9 @@ def test_grid_parsing_and_scenarios():
     assert sc.knobs == ("coalesced_collectives=False",)
     with pytest.raises(CommsimInputError, match="colour is not a predict setting"):
         parse_grid(["colour=red"])
+    # the host's speed is a float axis, whole numbers included
+    assert parse_grid(["host_scale=1,1.5,2"]) == {"host_scale": [1.0, 1.5, 2.0]}
+    assert all(type(v) is float for v in parse_grid(["host_scale=1,2"])["host_scale"])
 
 
 def test_sweep_is_resumable(tmp_path):

@@ -109,6 +109,12 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    help="with a CPU --hw-profile and the framework runner: find a tensor's fresh pages with commsim's "
                    "model of glibc's heap (thresholds, growth, trims) fed the schedule's allocations, instead of "
                    "glibc's fixed 32 MiB ceiling alone (the default; traces/README.md compares both with real runs)")
+    p.add_argument("--host-scale", type=float, default=1.0, metavar="SCALE",
+                   help="how many times as long the GPU hosts' CPU takes for each host routine (the framework's "
+                   "Python, kernel and collective launches) as the core commsim's host costs were measured on: every "
+                   "host op of the schedule takes SCALE times its time, the host optimizer's (memory-bound) excepted "
+                   "(default 1: as measured; docs/deepspeed-versions.md shows how much old DeepSpeed's ZeRO-3 "
+                   "depends on it)")
     p.add_argument("--extrapolate", action="store_true",
                    help="with --hw-profile: price collectives over more ranks than the profile measured (or placed "
                    "across nodes when it measured one node) from its nearest measured group, with a warning, instead "

@@ -11,10 +11,10 @@ training step; run once per measured step, so it must free what it allocates).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from commsim.ir.ops import Alloc, Op, OpId
+from commsim.ir.ops import Alloc, HostKind, HostWork, Op, OpId
 
 # 2: ops carry a typed phase; the meta has fields for what is not a knob
 SCHEMA_VERSION = 2
@@ -100,6 +100,24 @@ class Schedule:
 
     def ranks_of_program(self, index: int) -> tuple[int, ...]:
         return tuple(r for r, p in enumerate(self.rank_program) if p == index)
+
+    def with_host_time_scaled(self, factor: float) -> "Schedule":
+        """The same step on a host whose CPU takes ``factor`` times as long for each of
+        its routines: every ``HostWork`` op's duration times ``factor`` (rounded to the
+        nanosecond), except the host optimizer's (``HostKind.OPTIMIZER``: a CPU Adam or a
+        gradient accumulation on the host is bound by the host's DRAM bandwidth, not by
+        its core). Host syncs, copies and device ops are untouched."""
+        assert factor > 0, factor
+        if factor == 1:
+            return self
+
+        def scaled(op: Op) -> Op:
+            if isinstance(op, HostWork) and op.kind is not HostKind.OPTIMIZER:
+                return replace(op, duration_ns=round(op.duration_ns * factor))
+            return op
+
+        return replace(self, programs=tuple(replace(p, step=tuple(scaled(op) for op in p.step))
+                                            for p in self.programs))
 
     @staticmethod
     def uniform(world_size: int, program: Program, meta: ScheduleMeta | None = None) -> "Schedule":

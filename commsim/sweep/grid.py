@@ -27,7 +27,7 @@ from commsim.ir.errors import CommsimInputError
 
 _SCENARIO = {f.name: f for f in fields(Scenario)} if hasattr(Scenario, "__dataclass_fields__") else {}
 _INT = {"nodes", "gpus_per_node", "stage", "micro_batch", "seq", "seed"}
-_FLOAT = {"jitter"}
+_FLOAT = {"jitter", "host_jitter", "host_scale"}
 _BOOL = {"checkpointing"}
 _TOP_LEVEL_DS = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                  "gradient_clipping"}
