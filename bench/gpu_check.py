@@ -24,7 +24,14 @@ On a machine with a CUDA GPU, in under 8 minutes, it:
    small kernel then ``.item()``, a pageable ``torch.ones(1).to("cuda")``, a synchronize
    of an idle device, a small op's launch) beside the constants commsim prices them with
    (``gpu_kernels.SMALL_COPY_LATENCY_NS``, the p4d A100's ``kernel_overhead_ns``, the
-   launch in ``knobs.HOST_COSTS``).
+   launch in ``knobs.HOST_COSTS``);
+7. times DeepSpeed 0.19.8's ZeRO-3 routines on this host's CPU as commsim's host-cost table
+   was timed (``runtime.ds_host_costs``, device calls as no-ops, 8 ranks, with
+   ``DS_ACCELERATOR=cpu`` and no visible GPU so that the code path is the table's) and
+   prints each routine's time over the table's: their median is how many times as long
+   this host takes for a host routine, the ``--host-scale`` that prices it (the table's
+   core is taken as the p4d's, ``ds_host_costs.CPU_SCALE``). It needs DeepSpeed 0.19.8
+   installed (requirements-test.txt).
 
 It prints one summary line per check (``name: ...``) and exits 0 when every check ran,
 1 when one failed or the time ran out (``--timeout`` seconds for all of them), 2
@@ -187,6 +194,39 @@ def round_trip_line(us: dict[str, float], device: str) -> str:
             f"{kern:.1f} + small copy {copy:.1f} us); pageable torch.ones(1).to(cuda) {us['pageable_h2d']:.1f} us "
             f"(small copy {copy:.1f} us); idle synchronize {us['idle_synchronize']:.1f} us; a small op's launch "
             f"{us['launch']:.1f} us on the host (commsim's p4d: {launch:.1f} us)")
+
+
+# ---------------------------------------------------------------- host speed
+HOST_SPEED_RUN = ("--steps", "6", "--world", "8", "--flush-repeats", "1")
+
+
+def host_speed_ratios(doc: dict) -> dict[str, float]:
+    """Each routine's time in a ``runtime.ds_host_costs`` measurement of DeepSpeed 0.19.8
+    at 8 ranks over what commsim's table (``knobs.HOST_COSTS``) charges for it at 8 ranks.
+    The launches are compared without the CUDA driver's part the table adds
+    (``ds_host_derive.CUDA_LAUNCH_NS``), which the measurement cannot see."""
+    from commsim.strategies.knobs import host_costs_for
+    from runtime.ds_host_derive import CUDA_LAUNCH_NS
+
+    c, world = host_costs_for("0.19.8"), doc["world"]
+    fits, prim = doc["fits"], doc["primitives"]
+    pairs = {
+        "module hook": (fits["fetch"]["fixed_ns"], c.module_hook_ns),
+        "gather a parameter": (fits["fetch"]["per_gathered_ns"], c.gather_param_ns + world * c.gather_param_rank_ns),
+        "wait for a parameter": (fits["fetch"]["per_waited_ns"], c.wait_param_ns + world * c.wait_param_rank_ns),
+        "release hook": (fits["release"]["fixed_ns"], c.release_hook_ns),
+        "free a parameter": (fits["release"]["per_freed_ns"], c.free_param_ns),
+        "gradient hook": (fits["grad_hook"]["fixed_ns"], c.grad_hook_ns),
+        "a torch op's dispatch": (prim["torch_op_ns"], c.launch_ns - CUDA_LAUNCH_NS),
+        "a c10d collective call": (prim["c10d_all_gather_ns"], c.collective_launch_ns - CUDA_LAUNCH_NS),
+    }
+    return {name: measured / table for name, (measured, table) in pairs.items()}
+
+
+def host_speed_line(ratios: dict[str, float], cpu: str) -> str:
+    scale = statistics.median(ratios.values())
+    return (f"{cpu}: DeepSpeed 0.19.8's routines take " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items())
+            + f" the table's time; median x{scale:.2f}: --host-scale {scale:.2f} prices this host")
 
 
 # ---------------------------------------------------------------- presets
@@ -384,6 +424,27 @@ def run_checks(args: argparse.Namespace, work: Path) -> int:
     if not args.cpu:
         check("ops vs the preset", ops("preset"), ("predict with the preset",))
     check("memory", memory, ("execute", "predict with the profile"))
+
+    def host_speed() -> str:
+        out = work / "host-costs-0.19.8.json"
+        # the table's conditions: DeepSpeed's CPU accelerator, no GPU in sight
+        env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if run.left() <= 1:
+            raise OutOfTime()
+        try:
+            done = subprocess.run([sys.executable, "-m", "runtime.ds_host_costs", "--deepspeed", "0.19.8", "-o",
+                                   str(out), *HOST_SPEED_RUN], capture_output=True, text=True, cwd=ROOT, env=env,
+                                  timeout=run.left())
+        except subprocess.TimeoutExpired:
+            raise OutOfTime() from None
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()] or [f"exit {done.returncode}"]
+            raise CheckFailed(f"runtime.ds_host_costs exited {done.returncode}: {lines[-1].strip()}")
+        doc = json.loads(out.read_text())
+        return host_speed_line(host_speed_ratios(doc), doc["machine"]["cpu"])
+
+    check("host speed", host_speed)
     if args.cpu:
         print("host round trips: none (CPU rehearsal)", flush=True)
     else:

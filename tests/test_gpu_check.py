@@ -24,13 +24,18 @@ def test_the_cpu_rehearsal_runs_every_check(tmp_path):
     lines = out.stdout.strip().splitlines()
     names = [ln.split(":", 1)[0] for ln in lines]
     assert names == ["schedule", "calibrate", "execute", "check-data", "predict with the profile",
-                     "predict with the preset", "ops vs the profile", "memory", "host round trips"]
+                     "predict with the preset", "ops vs the profile", "memory", "host speed", "host round trips"]
     assert "FAILED" not in out.stdout and "skipped (needs" not in out.stdout
     assert lines[1].startswith("calibrate: ") and " on CPU" in lines[1]
     assert lines[3].startswith("check-data: every collective's result exact (tiny model, bf16, ")
     assert "vs measured" in lines[4] and "gemm " in lines[6] and "[kind median error / p90 |error| (ops)]" in lines[6]
     assert lines[7].startswith("memory: skipped: no caching allocator on this backend (gloo)")
-    assert lines[8] == "host round trips: none (CPU rehearsal)"
+    # the host-cost table was timed on this machine's kind of core: its routines take
+    # about the table's time here (each within a factor of 1.5 on a shared 2-core VM)
+    assert lines[8].startswith("host speed: ") and "--host-scale" in lines[8]
+    ratios = [float(x) for x in __import__("re").findall(r" x(\d+\.\d+)", lines[8])]
+    assert len(ratios) == 9 and all(1 / 1.5 < r < 1.5 for r in ratios), lines[8]
+    assert lines[9] == "host round trips: none (CPU rehearsal)"
     assert {p.name for p in tmp_path.iterdir()} >= {"schedule.json", "profile.json", "measured.json", "checked.json"}
 
 
@@ -48,6 +53,28 @@ def _module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_host_speed_is_each_routine_over_the_tables_at_the_measured_world():
+    from commsim.strategies.knobs import host_costs_for
+
+    gc = _module()
+    c, w = host_costs_for("0.19.8"), 8
+    doc = {"world": w, "primitives": {"torch_op_ns": 2 * (c.launch_ns - 3_800),
+                                      "c10d_all_gather_ns": 2 * (c.collective_launch_ns - 3_800)},
+           "fits": {"fetch": {"fixed_ns": 2 * c.module_hook_ns,
+                              "per_gathered_ns": 2 * (c.gather_param_ns + w * c.gather_param_rank_ns),
+                              "per_waited_ns": 3 * (c.wait_param_ns + w * c.wait_param_rank_ns)},
+                    "release": {"fixed_ns": 2 * c.release_hook_ns, "per_freed_ns": c.free_param_ns},
+                    "grad_hook": {"fixed_ns": 2 * c.grad_hook_ns}}}
+    ratios = gc.host_speed_ratios(doc)
+    assert ratios == {"module hook": 2, "gather a parameter": 2, "wait for a parameter": 3, "release hook": 2,
+                      "free a parameter": 1, "gradient hook": 2, "a torch op's dispatch": 2,
+                      "a c10d collective call": 2}
+    assert gc.host_speed_line(ratios, "Xeon") == (
+        "Xeon: DeepSpeed 0.19.8's routines take module hook x2.00, gather a parameter x2.00, wait for a parameter "
+        "x3.00, release hook x2.00, free a parameter x1.00, gradient hook x2.00, a torch op's dispatch x2.00, a c10d "
+        "collective call x2.00 the table's time; median x2.00: --host-scale 2.00 prices this host")
 
 
 def test_the_preset_of_a_device():
