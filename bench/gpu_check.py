@@ -31,7 +31,11 @@ On a machine with a CUDA GPU, in under 8 minutes, it:
    prints each routine's time over the table's: their median is how many times as long
    this host takes for a host routine, the ``--host-scale`` that prices it (the table's
    core is taken as the p4d's, ``ds_host_costs.CPU_SCALE``). It needs DeepSpeed 0.19.8
-   installed (requirements-test.txt).
+   installed (requirements-test.txt);
+8. reads the device's memory as CUDA reports it (total, and what this process's CUDA
+   context holds after the round trips' small ops) beside the capacity commsim's preset
+   gives the simulated caching allocator (``GpuSpec.hbm_bytes``, the datasheet's GB as
+   10^9 bytes), which leaves the context and NCCL's buffers unmodelled.
 
 It prints one summary line per check (``name: ...``) and exits 0 when every check ran,
 1 when one failed or the time ran out (``--timeout`` seconds for all of them), 2
@@ -227,6 +231,30 @@ def host_speed_line(ratios: dict[str, float], cpu: str) -> str:
     scale = statistics.median(ratios.values())
     return (f"{cpu}: DeepSpeed 0.19.8's routines take " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items())
             + f" the table's time; median x{scale:.2f}: --host-scale {scale:.2f} prices this host")
+
+
+# ---------------------------------------------------------------- device memory
+def device_memory(torch) -> dict[str, int]:
+    """Bytes of the current CUDA device: its total, what is in use on it (``cudaMemGetInfo``)
+    and what PyTorch's caching allocator reserves; in use less reserved is this process's
+    CUDA context (on a device no other process uses) with the kernels loaded so far."""
+    free, total = torch.cuda.mem_get_info()
+    return {"total": total, "in_use": total - free, "reserved": torch.cuda.memory_reserved()}
+
+
+def device_memory_line(mem: dict[str, int], device: str, preset: tuple[str, str] | None) -> str:
+    from commsim.hardware.specs import NODE_PRESETS
+
+    gib = 2**30
+    context = mem["in_use"] - mem["reserved"]
+    line = (f"{device}: {mem['total'] / gib:.2f} GiB in all as CUDA reports it, {context / 2**20:.0f} MiB held by "
+            f"this process's CUDA context (in use {mem['in_use'] / 2**20:.0f} MiB less the caching allocator's "
+            f"{mem['reserved'] / 2**20:.0f} MiB)")
+    if preset is not None:
+        hbm = NODE_PRESETS[preset[1]].gpu.hbm_bytes
+        line += (f"; commsim's {preset[0]} gives its caching allocator {hbm / gib:.2f} GiB, "
+                 f"{hbm / mem['total']:.1%} of it")
+    return line
 
 
 # ---------------------------------------------------------------- presets
@@ -447,10 +475,13 @@ def run_checks(args: argparse.Namespace, work: Path) -> int:
     check("host speed", host_speed)
     if args.cpu:
         print("host round trips: none (CPU rehearsal)", flush=True)
+        print("device memory: none (CPU rehearsal)", flush=True)
     else:
         import torch
 
         check("host round trips", lambda: round_trip_line(round_trips_us(torch), torch.cuda.get_device_name()))
+        check("device memory", lambda: device_memory_line(device_memory(torch), torch.cuda.get_device_name(),
+                                                          preset_for(torch.cuda.get_device_name())))
     return 1 if failed else 0
 
 

@@ -24,7 +24,8 @@ def test_the_cpu_rehearsal_runs_every_check(tmp_path):
     lines = out.stdout.strip().splitlines()
     names = [ln.split(":", 1)[0] for ln in lines]
     assert names == ["schedule", "calibrate", "execute", "check-data", "predict with the profile",
-                     "predict with the preset", "ops vs the profile", "memory", "host speed", "host round trips"]
+                     "predict with the preset", "ops vs the profile", "memory", "host speed", "host round trips",
+                     "device memory"]
     assert "FAILED" not in out.stdout and "skipped (needs" not in out.stdout
     assert lines[1].startswith("calibrate: ") and " on CPU" in lines[1]
     assert lines[3].startswith("check-data: every collective's result exact (tiny model, bf16, ")
@@ -36,6 +37,7 @@ def test_the_cpu_rehearsal_runs_every_check(tmp_path):
     ratios = [float(x) for x in __import__("re").findall(r" x(\d+\.\d+)", lines[8])]
     assert len(ratios) == 9 and all(1 / 1.5 < r < 1.5 for r in ratios), lines[8]
     assert lines[9] == "host round trips: none (CPU rehearsal)"
+    assert lines[10] == "device memory: none (CPU rehearsal)"
     assert {p.name for p in tmp_path.iterdir()} >= {"schedule.json", "profile.json", "measured.json", "checked.json"}
 
 
@@ -75,6 +77,17 @@ def test_host_speed_is_each_routine_over_the_tables_at_the_measured_world():
         "Xeon: DeepSpeed 0.19.8's routines take module hook x2.00, gather a parameter x2.00, wait for a parameter "
         "x3.00, release hook x2.00, free a parameter x1.00, gradient hook x2.00, a torch op's dispatch x2.00, a c10d "
         "collective call x2.00 the table's time; median x2.00: --host-scale 2.00 prices this host")
+
+
+def test_device_memory_against_the_presets_capacity():
+    gc = _module()
+    gib, mib = 2**30, 2**20
+    mem = {"total": int(39.5 * gib), "in_use": 500 * mib, "reserved": 20 * mib}
+    assert gc.device_memory_line(mem, "NVIDIA A100-SXM4-40GB", ("p4d", "p4d")) == (
+        "NVIDIA A100-SXM4-40GB: 39.50 GiB in all as CUDA reports it, 480 MiB held by this process's CUDA context "
+        "(in use 500 MiB less the caching allocator's 20 MiB); commsim's p4d gives its caching allocator 37.25 GiB, "
+        "94.3% of it")
+    assert gc.device_memory_line(mem, "NVIDIA L4", None).endswith("less the caching allocator's 20 MiB)")
 
 
 def test_the_preset_of_a_device():
