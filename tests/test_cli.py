@@ -478,6 +478,13 @@ def test_host_scale_slows_every_host_routine_and_is_reported():
     assert slow["step_time_s"] > same["step_time_s"]
     line = "host: every host routine takes 2x its time (--host-scale), the host optimizer's (memory-bound) excepted"
     assert slow["hardware_sources"] == [line] and same["hardware_sources"] == []
+    # a host-bound step says how to price slower hosts, until one is priced
+    hint = "  (host: the framework's Python and launches as timed on one core; --host-scale S prices hosts S times " \
+           "slower)"
+    assert same["stalls_s"]["host"] >= 0.05 * same["step_time_s"]
+    assert hint in run("predict", *args).stdout.splitlines()
+    text = run("predict", *args, "--host-scale", "2").stdout
+    assert line in text.splitlines() and "prices hosts" not in text
     out = run("predict", *args, "--host-scale", "-1")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [

@@ -15,6 +15,11 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
+# the share of the step the compute stream waits on the host above which the report says
+# how to price a slower host
+HOST_BOUND_SHARE = 0.05
+
+
 def report_lines(pred, seed: int) -> list[str]:
     """The text report of a prediction (``seed``: the first seed asked for)."""
     m = pred.metrics
@@ -60,6 +65,12 @@ def report_lines(pred, seed: int) -> list[str]:
     for cause, v in sorted(m.stalls_s.items(), key=lambda kv: -kv[1]):
         if v >= 0.0005:  # below the table's resolution
             out.append(f"  {cause:<20}{v:>10.3f} s")
+    sc = pred.scenario
+    if m.stalls_s.get("host", 0.0) >= HOST_BOUND_SHARE * m.step_time_s and not sc.get("hw_profile") \
+            and sc.get("host_scale", 1.0) == 1:
+        # a host-bound step depends on the host's speed, which the presets take from one core
+        out.append("  (host: the framework's Python and launches as timed on one core; "
+                   "--host-scale S prices hosts S times slower)")
     out.append(f"{'memory':<22}peak allocated {_fmt_bytes(m.peak_allocated_bytes)}, reserved "
                f"{_fmt_bytes(m.peak_reserved_bytes)} of {_fmt_bytes(pred.hbm_bytes)}; allocator retries "
                f"{m.alloc_retries}, cache flushes {m.alloc_flushes}")
