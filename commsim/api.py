@@ -35,8 +35,8 @@ from commsim.sim.host_gc import aligned_by_default, parse_host_gc
 @dataclass(frozen=True)
 class Scenario:
     model: str = "roberta-10b"
-    strategy: str = "deepspeed"  # "deepspeed" (ds_config, stage, preset, knobs) or "fsdp2" (fsdp_config)
-    fsdp_config: str | dict[str, Any] | None = None  # path or parsed JSON (strategy "fsdp2")
+    strategy: str = "deepspeed"  # "deepspeed" (ds_config, stage, preset, knobs), "fsdp2" or "fsdp1" (fsdp_config)
+    fsdp_config: str | dict[str, Any] | None = None  # path or parsed JSON (strategies "fsdp2", "fsdp1")
     cluster: str = "p4d"
     nodes: int = 8
     gpus_per_node: int | None = None  # None: the cluster's
@@ -134,6 +134,40 @@ def _fsdp_config(sc: Scenario):
     return load_fsdp_config(sc.fsdp_config)
 
 
+def _fsdp1_config(sc: Scenario):
+    from commsim.strategies.fsdp1_config import load_fsdp1_config, parse_fsdp1_config
+
+    if sc.fsdp_config is None:
+        return parse_fsdp1_config(default_fsdp_config(default_half(sc)), "default fsdp_config")
+    if isinstance(sc.fsdp_config, dict):
+        return parse_fsdp1_config(sc.fsdp_config, "fsdp_config")
+    return load_fsdp1_config(sc.fsdp_config)
+
+
+def _build_fsdp1(sc: Scenario):
+    """The FSDP1 schedule of a scenario: as FSDP2's, with FullyShardedDataParallel's settings."""
+    from commsim.strategies import CURRENT, World, generate_fsdp1
+
+    given = [flag for flag, v in (("--ds-config", sc.ds_config), ("--stage", sc.stage), ("--knob", sc.knobs)) if v]
+    if given or sc.preset != "current":
+        given += ["--preset"] if sc.preset != "current" else []
+        raise CommsimInputError(f"{', '.join(given)}: DeepSpeed settings; --strategy fsdp1 takes its settings from "
+                                "--fsdp-config")
+    cfg = _fsdp1_config(sc)
+    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
+    world = World(sc.nodes, cluster.node.gpus_per_node)
+    micro = sc.micro_batch or 16
+    md = describe_model(sc.model, micro, sc.seq, 4 if cfg.param_dtype == "fp32" else 2)
+    costs, source = _host_costs(sc, CURRENT.name)
+    device = _device(sc, cfg.param_dtype)
+    schedule = generate_fsdp1(md, world, cfg, checkpointing=sc.checkpointing, costs=costs,
+                              checkpoint_style=sc.checkpoint_style, device=device,
+                              host_blocking=_host_blocking(sc, device))
+    schedule = replace(schedule, meta=replace(schedule.meta, host_costs=source))
+    info = step_info(md, world.size, sc.nodes, 1, sc.checkpointing, cluster.node.price_usd_per_hour)
+    return schedule, md, info, cfg.param_dtype
+
+
 def _build_fsdp2(sc: Scenario):
     """The FSDP2 schedule of a scenario; DeepSpeed's settings do not apply to it."""
     from commsim.strategies import CURRENT, World, generate_fsdp2
@@ -189,8 +223,10 @@ def build_schedule(sc: Scenario):
         raise CommsimInputError(f"--strategy {sc.strategy!r}: allowed: {', '.join(STRATEGIES)}")
     if sc.strategy == "fsdp2":
         return _build_fsdp2(sc)
+    if sc.strategy == "fsdp1":
+        return _build_fsdp1(sc)
     if sc.fsdp_config is not None:
-        raise CommsimInputError("--fsdp-config: FSDP2 settings; give --strategy fsdp2 with it")
+        raise CommsimInputError("--fsdp-config: FSDP settings; give --strategy fsdp2 or fsdp1 with it")
     ds, where = _ds_config(sc)
     if sc.stage is not None and sc.ds_config is not None and sc.stage != ds.zero.stage:
         raise CommsimInputError(f"--stage {sc.stage} contradicts {where}: zero_optimization.stage {ds.zero.stage}")
@@ -236,8 +272,8 @@ def _host_costs(sc: Scenario, version: str):
             how = obj["host_costs"].get("source") if isinstance(obj["host_costs"], dict) else None
             return (host_costs_from(obj["host_costs"], sc.hw_profile, host_costs_for(version)),
                     f"measured into {sc.hw_profile}" + (f" ({how})" if how else "") + f", over {table}")
-    if sc.strategy == "fsdp2":
-        return None, f"{table}'s launches and module hook (FSDP2's own hooks are not measured)"
+    if sc.strategy in ("fsdp2", "fsdp1"):
+        return None, f"{table}'s launches and module hook ({sc.strategy.upper()}'s own hooks are not measured)"
     return None, table
 
 
@@ -295,8 +331,9 @@ def predict(sc: Scenario) -> Prediction:
         what = f"{sc.schedule} ({schedule.meta.description or schedule.meta.model})"
     else:
         schedule, md, info, precision = build_schedule(sc)
-        bf16_warning(sc, precision, "the FSDP2 config" if sc.strategy == "fsdp2" else "the DeepSpeed config")
-        how = "FSDP2" if sc.strategy == "fsdp2" else f"ZeRO-{schedule.meta.strategy[-1]} ({sc.preset})"
+        fsdp = sc.strategy in ("fsdp2", "fsdp1")
+        bf16_warning(sc, precision, f"the {sc.strategy.upper()} config" if fsdp else "the DeepSpeed config")
+        how = (f"{sc.strategy.upper()}" if fsdp else f"ZeRO-{schedule.meta.strategy[-1]} ({sc.preset})")
         what = (f"{md.name}, {how}, micro-batch {md.micro_batch} x "
                 f"{md.seq_len}, {precision}{', checkpointing' if sc.checkpointing else ''}")
     cost, hardware = cost_model(sc, precision)
@@ -374,7 +411,7 @@ def _resolved(sc: Scenario, schedule: Schedule, cluster) -> dict[str, Any]:
 
     stage = re.fullmatch(r"zero(\d)", schedule.meta.strategy or "")
     return {"net": "profile" if sc.hw_profile else cluster.node.fabric.kind,
-            "strategy": "fsdp2" if schedule.meta.strategy == "fsdp2" else sc.strategy,
+            "strategy": schedule.meta.strategy if schedule.meta.strategy in ("fsdp2", "fsdp1") else sc.strategy,
             "stage": int(stage.group(1)) if stage else None,
             "gpus_per_node": cluster.node.gpus_per_node,
             "micro_batch": schedule.meta.micro_batch}

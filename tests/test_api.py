@@ -59,7 +59,7 @@ def test_an_explicit_bf16_config_on_a_v100_cluster_is_warned_about():
     ({"strategy": "fsdp2", "ds_config": {"zero_optimization": {"stage": 3}}},
      "--ds-config: DeepSpeed settings; --strategy fsdp2 takes its settings from --fsdp-config"),
     ({"strategy": "fsdp2", "stage": 2, "preset": "baseline"}, "--stage, --preset: DeepSpeed settings"),
-    ({"fsdp_config": {}}, "--fsdp-config: FSDP2 settings; give --strategy fsdp2 with it"),
+    ({"fsdp_config": {}}, "--fsdp-config: FSDP settings; give --strategy fsdp2 or fsdp1 with it"),
     ({"strategy": "ddp"}, "--strategy 'ddp': allowed: deepspeed, fsdp2"),
     ({"strategy": "fsdp2", "fsdp_config": {"hsdp_replicas": 3}}, "hsdp_replicas: 3 must divide the world size 16"),
 ])

@@ -46,9 +46,10 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="roberta-10b",
                    help="model preset, path to a Hugging Face config.json, or module:function returning a "
                    "torch.nn.Module (walked on the meta device; needs torch) (default roberta-10b)")
-    p.add_argument("--strategy", choices=("deepspeed", "fsdp2"), default="deepspeed",
+    p.add_argument("--strategy", choices=("deepspeed", "fsdp2", "fsdp1"), default="deepspeed",
                    help="deepspeed: DeepSpeed ZeRO from --ds-config, --stage, --preset, --knob (default); fsdp2: "
-                   "PyTorch FSDP2, fully_shard on every transformer block and the root, from --fsdp-config")
+                   "PyTorch FSDP2, fully_shard on every transformer block and the root, from --fsdp-config; fsdp1: "
+                   "PyTorch FSDP1, FullyShardedDataParallel around every block and the root, from --fsdp-config")
     p.add_argument("--fsdp-config", metavar="FILE",
                    help="FSDP2 settings JSON, keys as fully_shard's arguments (default: the seed scenario's, "
                    "{\"mp_param_dtype\": \"bf16\", \"mp_reduce_dtype\": \"fp32\"}, fp16 on a GPU without bf16 tensor cores (V100); "
@@ -59,7 +60,10 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
                    "offload_pin_memory (CPUOffloadPolicy), hsdp_replicas (HSDP: a replicas x world/replicas mesh, "
                    "sharded inside), forward_prefetch / backward_prefetch (explicit prefetch of the next / previous "
                    "N blocks; 0: FSDP2's implicit prefetching), gradient_accumulation_steps, requires_gradient_sync "
-                   "(false: reduce at the last micro-step only); checkpointing comes from --no-checkpointing and "
+                   "(false: reduce at the last micro-step only); with --strategy fsdp1, FullyShardedDataParallel's: "
+                   "sharding_strategy (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD: sharded inside a node), "
+                   "mp_param_dtype / mp_reduce_dtype (MixedPrecision), limit_all_gathers (true), backward_prefetch "
+                   "(BACKWARD_PRE, BACKWARD_POST, null); checkpointing comes from --no-checkpointing and "
                    "--checkpoint-style")
     p.add_argument("--nodes", type=positive_int, default=8, help="number of nodes (default 8)")
     p.add_argument("--gpus-per-node", type=positive_int, help="GPUs per node (default: the cluster's, 8)")

@@ -3,7 +3,8 @@
 ``generate()`` is the entry point for DeepSpeed (a config + knobs): stage 3 follows
 DeepSpeed's coordinator (``zero3``); stages 0-2 its bucketed gradient reduction
 (``zero12``). ``generate_fsdp2()`` lowers PyTorch FSDP2 (``fsdp2``) with its settings
-(``fsdp2_config``). ``STRATEGIES`` names the front ends' choices.
+(``fsdp2_config``), ``generate_fsdp1()`` PyTorch FSDP1 (``fsdp1``, ``fsdp1_config``).
+``STRATEGIES`` names the front ends' choices.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from commsim.ir.schedule import Schedule, ScheduleMeta
 from commsim.models.spec import ModelDescription
 from commsim.strategies.dsconfig import DeepSpeedConfig
 from commsim.strategies.dsversions import CURRENT, VERSIONS, DeepSpeedVersion
+from commsim.strategies.fsdp1 import FSDP1Lowering
+from commsim.strategies.fsdp1_config import FSDP1Config
 from commsim.strategies.fsdp2 import FSDP2Lowering
 from commsim.strategies.fsdp2_config import FSDP2Config
 from commsim.strategies.groups import per_rank_schedule
@@ -23,7 +26,7 @@ from commsim.strategies.zero3 import Zero3Lowering
 from commsim.strategies.zero12 import Zero12Lowering
 
 GENERATOR_VERSION = "commsim.strategies 0.1"
-STRATEGIES = ("deepspeed", "fsdp2")
+STRATEGIES = ("deepspeed", "fsdp2", "fsdp1")
 DEVICES = ("cuda", "cpu")  # what an FSDP2 model's parameters live on
 
 
@@ -136,4 +139,44 @@ def generate_fsdp2(md: ModelDescription, world: World, cfg: FSDP2Config, checkpo
     return per_rank_schedule(world.size, program, lowering.groups_of, meta)
 
 
-__all__ = ["STRATEGIES", "World", "generate", "generate_fsdp2", "GENERATOR_VERSION"]
+def generate_fsdp1(md: ModelDescription, world: World, cfg: FSDP1Config, checkpointing: bool = True,
+                   costs: HostCosts | None = None, checkpoint_style: str = "reentrant",
+                   device: str = "cuda", host_blocking: bool | None = None) -> Schedule:
+    """PyTorch FSDP1's step (``FullyShardedDataParallel`` on every block and the root),
+    ``cfg``'s settings, on ``device`` (as ``generate_fsdp2``). The rate limiter's queue
+    outlives a step: the steady-state step starts with as many (long complete) free
+    events queued as the step before left, found by lowering until that count repeats."""
+    if device not in DEVICES:
+        raise CommsimInputError(f"device {device!r}: allowed: {', '.join(DEVICES)}")
+    foreach = device == "cuda"
+    blocking = device == "cpu" if host_blocking is None else host_blocking
+    stale = 0
+    for _ in range(8):
+        lowering = FSDP1Lowering(md, world.size, world.gpus_per_node, cfg, costs or HostCosts(), checkpointing,
+                                 checkpoint_style, foreach, blocking, stale)
+        program = lowering.program()
+        if len(lowering.queue) == stale:
+            break
+        stale = len(lowering.queue)
+    lay = lowering.layout
+    meta = ScheduleMeta(
+        model=md.name,
+        strategy="fsdp1",
+        generator=GENERATOR_VERSION,
+        description=f"PyTorch FSDP1 ({cfg.sharding_strategy}) step of {md.name} on {world.nodes}x{world.gpus_per_node}"
+                    f" GPUs (sharded over {lay.shard}{', ' + str(lay.replicas) + ' replicas' if lay.replicas > 1 else ''})",
+        config=tuple((k, v) for k, v in cfg.as_pairs() if v is not None)
+        + (("optimizer", "torch" if foreach else "torch single-tensor"),),
+        nodes=world.nodes,
+        gpus_per_node=world.gpus_per_node,
+        micro_batch=md.micro_batch,
+        seq_len=md.seq_len,
+        grad_accum=1,
+        precision=cfg.param_dtype,
+        checkpointing=checkpointing,
+        checkpoint_style=checkpoint_style if checkpointing else None,
+    )
+    return per_rank_schedule(world.size, program, lowering.groups_of, meta)
+
+
+__all__ = ["STRATEGIES", "World", "generate", "generate_fsdp1", "generate_fsdp2", "GENERATOR_VERSION"]

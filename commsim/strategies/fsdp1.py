@@ -1,0 +1,386 @@
+"""PyTorch FSDP1 (``FullyShardedDataParallel``) lowered to IR, following torch 2.13's hooks through one step.
+
+The model is wrapped the usual way (fsdp1_config.py): one unit per transformer block,
+then the root. Each unit's parameters form one flat parameter of N elements, padded to
+P = ceil(N / S) S over the shard group of S ranks; a rank keeps S_u = P / S of them in
+fp32. References are to torch/distributed/fsdp/ in torch 2.13: RU = _runtime_utils.py,
+FP = _flat_param.py, LU = _limiter_utils.py.
+
+* streams (RU:237-273): all-gathers on ``unshard``, the mixed-precision casts of the
+  shards on ``pre_unshard``, reduce-scatters on ``post_backward``, HSDP's all-reduce on
+  ``all_reduce``; compute on the default stream. The root's pre-forward makes the side
+  streams wait for the default one (RU:504-606);
+* unshard (RU:276-306): with mixed precision the shard is cast on ``pre_unshard`` and
+  ``unshard`` waits for it; then the rate limiter (``limit_all_gathers``, LU: the host
+  blocks on the oldest free event once two are queued); then, unless the flat parameter
+  is already unsharded, its padded full buffer is allocated on ``unshard`` and one
+  all-gather of P elements in the compute dtype fills it (FP:1440-1480); the cast shard
+  is freed. The default stream waits for ``unshard`` before the unit's kernels
+  (RU:411-434);
+* reshard: after forward for a non-root unit under FULL_SHARD / HYBRID_SHARD
+  (RU:486-501), and in every unit's post-backward (RU:793-827), the full buffer is freed
+  (reusable once the default stream has passed, ``_no_dispatch_record_stream``) and a
+  free event recorded on the default stream joins the limiter's queue (RU:310-330). The
+  queue lives across steps: the step starts with the previous step's events in it;
+* backward: the root's pre-backward hook fires first, then each block's, last to first
+  (RU:629-696): unshard (unless prefetched), the default stream waits, and with
+  BACKWARD_PRE the unit before it in post-forward order is unsharded ahead
+  (``_prefetch_handle``). The unit's gradient kernels end with ``cat`` of its
+  parameters' gradients into an N-element flat gradient. Its post-backward hook
+  (RU:699-774, ``_reduce_grad`` RU:830-886): reshard (BACKWARD_POST prefetches here),
+  ``post_backward`` waits for the default stream, casts the gradient to the reduce dtype
+  if it differs, pads it to P if P > N, divides by the pre-divide factor, reduce-scatters
+  P elements into a new S_u-element shard; HSDP all-reduces that over the replicas on
+  ``all_reduce``; the post-divide; a cast to fp32 when the reduce dtype is not; the flat
+  gradient is freed. The final callback makes the default stream wait for the reduction
+  streams (RU:1082-1126);
+* activation checkpointing as Hugging Face places it, around each block's call outside
+  its unit: reentrant runs the block's forward without grad, so no backward hooks are
+  registered; the recompute in backward is a full forward of the unit (unshard, reshard
+  and free) before its pre-backward hook unshards it again, and no unit is prefetched in
+  backward (RU:1272-1279: the target's ``_needs_pre_backward_unshard`` is still False).
+  Non-reentrant: the pre-backward hook fires first and the recompute's hooks return at
+  once (RU:375-380);
+* the optimizer: torch's AdamW on the rank's fp32 flat shards (foreach on GPUs), then
+  ``zero_grad`` frees the sharded gradients.
+
+The collective order of each setting was recorded from real FSDP1 on gloo ranks
+(tests/runtime/test_fsdp1_fidelity.py). FSDP1's hooks' Python is not measured: each hook
+call is charged DeepSpeed 0.19.8's module hook with its plumbing (``HostCosts``), a
+stand-in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import ceil
+
+from commsim.ir import ops as O
+from commsim.ir.ops import Phase
+from commsim.models.spec import ModelDescription, ModuleSpec
+from commsim.strategies.activations import Activations
+from commsim.strategies.builder import ProgramBuilder
+from commsim.strategies.fsdp1_config import FSDP1Config
+from commsim.strategies.fsdp2_comm import DTYPES, Streams
+from commsim.strategies.fsdp2_config import FSDP2Config
+from commsim.strategies.fsdp2_kernels import FSDP2Kernels
+from commsim.strategies.fsdp2_layout import FSDP2Layout, Unit
+from commsim.strategies.knobs import HostCosts
+from commsim.strategies.optimizer import torch_adamw
+from commsim.strategies.zero3_trace import CHECKPOINT_STYLES
+
+COMPUTE, UNSHARD, PRE_UNSHARD, POST_BACKWARD, ALL_REDUCE = (
+    "compute", "unshard", "pre_unshard", "post_backward", "all_reduce")
+FP32 = O.DType.FP32
+
+
+def predivide_factor(world: int) -> int:
+    """``DefaultState._get_gradient_predivide_factor`` (algorithms/_comm_hooks/
+    default_hooks.py:38-42, called at _init_utils.py:131-138): f doubled from 1 while it
+    divides the data-parallel world and world / f > f; world / f is divided after."""
+    f = 1
+    while world % f == 0 and world / f > f:
+        f *= 2
+    return f
+
+
+@dataclass
+class _Handle:
+    """One unit's ``FlatParamHandle`` state."""
+
+    unit: Unit
+    shard: int  # S_u: elements per rank
+    padded: int  # P_u = S_u x S
+    unsharded: bool = False
+    prefetched: bool = False
+    hooks_registered: bool = False  # pre-backward hooks on its forward outputs (grad was enabled)
+    ugrads: set[str] = field(default_factory=set)
+    grad: str | None = None
+    grad_stream: str = POST_BACKWARD
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
+
+    @property
+    def full(self) -> str:
+        return f"flat:{self.unit.name}"
+
+
+class FSDP1Lowering(FSDP2Kernels):
+    """One rank's FSDP1 step. ``stale``: free events already in the limiter's queue at
+    the step's start (the previous step's, long complete)."""
+
+    def __init__(self, md: ModelDescription, world_size: int, gpus_per_node: int, cfg: FSDP1Config,
+                 costs: HostCosts, checkpointing: bool, checkpoint_style: str = "reentrant", foreach: bool = True,
+                 host_blocking: bool = False, stale: int = 0):
+        assert checkpoint_style in CHECKPOINT_STYLES, checkpoint_style
+        self.md, self.cfg, self.costs = md, cfg, costs
+        self.checkpointing, self.style, self.foreach = checkpointing, checkpoint_style, foreach
+        s = cfg.shard_size(world_size, gpus_per_node)
+        self.layout = FSDP2Layout.build(md, world_size, FSDP2Config(hsdp_replicas=world_size // s))
+        self.groups_of = lambda r: self.layout.groups_of(r, None)
+        g0 = self.groups_of(0)
+        self.shard_group, self.replica_group = g0.partition, g0.replica
+        self.world = world_size
+        self.b = ProgramBuilder()
+        self.b.host_blocking = host_blocking
+        self.streams = Streams(self.b)
+        self.cdt, self.rdt = DTYPES[cfg.param_dtype], DTYPES[cfg.reduce_dtype]
+        self.gdt = self.cdt  # the kernels' gradients: compute dtype
+        self.handles = [_Handle(u, ceil(u.numel / s), ceil(u.numel / s) * s) for u in self.layout.units]
+        self.by_unit = {id(h.unit): h for h in self.handles}
+        self.unit_of_param = {p.name: h for h in self.handles for p in h.unit.params}
+        self.acts = Activations(self.b, md, COMPUTE, checkpointing)
+        self.queue: list[O.OpId | None] = [None] * stale  # _FreeEventQueue
+        self.post_forward_order: list[_Handle] = []
+        self.mb = ""
+        self.param_names: dict[str, tuple[str, ...]] = {}
+        self.numel = {p.name: p.numel for p in md.unique_params()}
+        self.seen_grads: set[str] = set()
+
+    @property
+    def root(self) -> _Handle:
+        return self.handles[-1]
+
+    # ------------------------------------------------------------ the step
+    def program(self):
+        b = self.b
+        assert not b.setup and not b.step, "an FSDP1Lowering lowers one step; make a new one for another"
+        for h in self.handles:
+            b.setup_alloc(f"shard:{h.name}", h.shard * 4, f"sharded fp32 flat parameter of {h.name}")
+        n = sum(h.shard for h in self.handles)
+        for state in ("exp_avg", "exp_avg_sq"):
+            b.setup_alloc(state, n * 4, f"AdamW {state} (this rank's flat shards)")
+        self._forward()
+        self._backward()
+        self._optimizer()
+        return b.program()
+
+    def _forward(self) -> None:
+        self.b.phase = Phase.FORWARD
+        root = self.root
+        self._hook("root pre-forward")
+        for s in (UNSHARD, PRE_UNSHARD):  # _root_pre_forward: the side streams wait for the default one
+            self.streams.wait_stream(s, COMPUTE)
+        self._pre_forward(root, grad=True)
+        for u, modules in self.layout.segments:
+            h = self.by_unit[id(u)]
+            if h is root:
+                self._kernels(h, modules, Phase.FORWARD)
+                continue
+            # reentrant checkpointing runs the block without grad: no backward hooks
+            self._pre_forward(h, grad=not (self.checkpointing and self.style == "reentrant"))
+            self._kernels(h, modules, Phase.FORWARD)
+            self._post_forward(h)
+        self._post_forward(root)
+
+    def _backward(self) -> None:
+        b = self.b
+        b.phase = Phase.BACKWARD
+        self.seen_grads = set()
+        root = self.root
+        self._pre_backward(root)  # fires on the loss's gradient, before the head's kernels
+        for u, modules in reversed(self.layout.segments):
+            h = self.by_unit[id(u)]
+            if h is root:
+                self._kernels(h, tuple(reversed(modules)), Phase.BACKWARD)
+                continue
+            if self.checkpointing and self.style == "reentrant":
+                b.phase = Phase.RECOMPUTE
+                self._pre_forward(h, grad=True)
+                self._kernels(h, modules, Phase.RECOMPUTE)
+                self._post_forward(h)
+                b.phase = Phase.BACKWARD
+                self._pre_backward(h)
+            elif self.checkpointing:
+                self._pre_backward(h)
+                b.phase = Phase.RECOMPUTE
+                self._kernels(h, modules, Phase.RECOMPUTE)  # the recompute's hooks return at once
+                b.phase = Phase.BACKWARD
+            else:
+                self._pre_backward(h)
+            self._kernels(h, tuple(reversed(modules)), Phase.BACKWARD)
+            self._post_backward(h)
+        self.acts.end_backward()
+        self._post_backward(root)
+        self._hook("post-backward final callback")
+        self.streams.wait_stream(COMPUTE, POST_BACKWARD)
+        if self.replica_group is not None:
+            self.streams.wait_stream(COMPUTE, ALL_REDUCE)
+
+    # ------------------------------------------------------------ hooks
+    def _hook(self, what: str) -> None:
+        c = self.costs
+        self.b.host(f"FSDP1 {what}", O.HostKind.MODULE_HOOK, c.module_hook_ns + c.hook_plumbing_ns)
+
+    def _pre_forward(self, h: _Handle, grad: bool) -> None:
+        if h is not self.root:
+            self._hook(f"pre-forward {h.name}")
+        if not h.prefetched:
+            self._unshard(h)
+        h.prefetched = False
+        self._wait_for_unshard()
+        h.hooks_registered = grad
+
+    def _post_forward(self, h: _Handle) -> None:
+        self._hook(f"post-forward {h.name}")
+        free = h is not self.root and self.cfg.reshard_after_forward
+        self._reshard(h, free)
+        if h.hooks_registered:
+            self.post_forward_order.append(h)
+
+    def _pre_backward(self, h: _Handle) -> None:
+        self._hook(f"pre-backward {h.name}")
+        if not h.prefetched:
+            self._unshard(h)
+        h.prefetched = False
+        self._wait_for_unshard()
+        if self.cfg.backward_prefetch == "BACKWARD_PRE":
+            self._prefetch(h)
+
+    def _prefetch(self, h: _Handle) -> None:
+        """The unit before ``h`` in post-forward order, if its backward hooks wait for it."""
+        order = self.post_forward_order
+        if h in order:
+            i = order.index(h)
+            target = order[i - 1] if i > 0 else None
+        else:
+            target = None
+        if target is not None and target.hooks_registered and not target.prefetched:
+            self._unshard(target)
+            target.prefetched = True
+
+    def _post_backward(self, h: _Handle) -> None:
+        b, u = self.b, h.unit
+        self._hook(f"post-backward {h.name}")
+        flat = f"fgrad:{h.name}"  # AccumulateGrad of the flat parameter: the views' gradients concatenated
+        cb = self.cdt.itemsize_bytes
+        grads = tuple(f"ugrad:{n}" for n in sorted(h.ugrads))
+        b.alloc(flat, u.numel * cb, COMPUTE, f"flat gradient of {h.name}")
+        self._elementwise(f"bwd.cat:{h.name}", u.numel, u.numel * cb, u.numel * cb, grads + (flat,))
+        for g in grads:
+            b.free(g, COMPUTE, "a parameter's gradient (concatenated)")
+        h.ugrads.clear()
+        self._reshard(h, True)
+        if self.cfg.backward_prefetch == "BACKWARD_POST":
+            self._prefetch(h)
+        self._reduce(h, flat)
+        h.hooks_registered = False
+
+    # ------------------------------------------------------------ unshard / reshard
+    def _unshard(self, h: _Handle) -> None:
+        b, c = self.b, self.costs
+        src = f"shard:{h.name}"
+        mp = self.cdt is not FP32 and not h.unsharded
+        if mp:  # FlatParamHandle.pre_unshard (FP:1307-1340): the low-precision shard, when it gathers
+            src = f"mp_shard:{h.name}"
+            b.alloc(src, h.shard * self.cdt.itemsize_bytes, PRE_UNSHARD, f"{h.name}'s shard in {self.cdt.value}")
+            b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
+            b.compute(PRE_UNSHARD, f"{b.phase.value}.cast:{h.name}", O.ComputeKind.ELEMENTWISE, h.shard, h.shard * 4,
+                      h.shard * self.cdt.itemsize_bytes, deps=self.streams.deps(PRE_UNSHARD),
+                      buffers=(f"shard:{h.name}", src))
+            self.streams.wait_stream(UNSHARD, PRE_UNSHARD)
+        if self.cfg.limit_all_gathers and len(self.queue) >= 2:  # _FreeEventQueue.dequeue_if_needed
+            event = self.queue.pop(0)
+            if event is not None:
+                b.sync_ops((event,), "FSDP1 rate limiter: a free two back")
+        if not h.unsharded:
+            b.alloc(h.full, h.padded * self.cdt.itemsize_bytes, UNSHARD, f"unsharded flat parameter of {h.name}")
+            b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            b.collective(UNSHARD, f"{b.phase.value}.ag:{h.name}", O.CollectiveKind.ALL_GATHER,
+                         h.padded * self.cdt.itemsize_bytes, self.cdt, self.shard_group,
+                         deps=self.streams.deps(UNSHARD), buffers=(src, h.full), blocking=True)
+            h.unsharded = True
+        if mp:
+            b.free(src, PRE_UNSHARD, f"{h.name}'s low-precision shard")
+
+    def _wait_for_unshard(self) -> None:
+        self.streams.wait_stream(COMPUTE, UNSHARD)
+
+    def _reshard(self, h: _Handle, free: bool) -> None:
+        if not free or not h.unsharded:
+            return
+        self.b.free(h.full, UNSHARD, f"unsharded flat parameter of {h.name}")
+        h.unsharded = False
+        if self.cfg.limit_all_gathers:  # a free event on the default stream joins the queue
+            self.queue.append(self.b.last_on_stream.get(COMPUTE))
+
+    # ------------------------------------------------------------ reduction
+    def _reduce(self, h: _Handle, flat: str) -> None:
+        b, c, s = self.b, self.costs, self.streams
+        n, p, k = h.unit.numel, h.padded, h.shard
+        rb = self.rdt.itemsize_bytes
+        label = f"bwd.rs:{h.name}"
+        s.wait_stream(POST_BACKWARD, COMPUTE)
+        src, temps = flat, []
+        if self.rdt is not self.cdt:
+            cast = f"{label}.cast"
+            b.alloc(cast, n * rb, POST_BACKWARD, f"{h.name}'s gradient in {self.rdt.value}")
+            self._side(POST_BACKWARD, f"{label}.to_reduce_dtype", n, n * self.cdt.itemsize_bytes, n * rb, (src, cast))
+            src = cast
+            temps.append(cast)
+        if p > n:  # F.pad to the padded size
+            pad = f"{label}.pad"
+            b.alloc(pad, p * rb, POST_BACKWARD, f"{h.name}'s gradient padded to {p}")
+            self._side(POST_BACKWARD, f"{label}.pad", p, n * rb, p * rb, (src, pad))
+            src = pad
+            temps.append(pad)
+        out = f"sgrad:{h.name}"
+        b.alloc(out, k * rb, POST_BACKWARD, f"{h.name}'s reduced gradient shard")
+        world = self.world
+        pre = predivide_factor(world)
+        post = world / pre
+        if pre > 1:
+            self._side(POST_BACKWARD, f"{label}.predivide", p, p * rb, p * rb, (src,))
+        b.host("reduce_scatter launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+        b.collective(POST_BACKWARD, label, O.CollectiveKind.REDUCE_SCATTER, p * rb, self.rdt, self.shard_group,
+                     reduce_op=O.ReduceOp.SUM, deps=s.deps(POST_BACKWARD), buffers=(src, out), blocking=True)
+        stream = POST_BACKWARD
+        if self.replica_group is not None:  # HSDP: across the replicas, on its own stream
+            s.wait_stream(ALL_REDUCE, POST_BACKWARD)
+            b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+            b.collective(ALL_REDUCE, f"bwd.ar:{h.name}", O.CollectiveKind.ALL_REDUCE, k * rb, self.rdt,
+                         self.replica_group, reduce_op=O.ReduceOp.SUM, deps=s.deps(ALL_REDUCE), buffers=(out,),
+                         blocking=True)
+            stream = ALL_REDUCE
+        if post > 1:
+            self._side(stream, f"{label}.postdivide", k, k * rb, k * rb, (out,))
+        if self.rdt is not FP32:  # the sharded gradient in the flat parameter's dtype
+            grad = f"sgrad32:{h.name}"
+            b.alloc(grad, k * 4, stream, f"{h.name}'s gradient shard in fp32")
+            self._side(stream, f"{label}.to_fp32", k, k * rb, k * 4, (out, grad))
+            b.free(out, POST_BACKWARD, f"{h.name}'s reduced shard in {self.rdt.value}")
+            out = grad
+        for t in temps:
+            b.free(t, POST_BACKWARD, "reduce-scatter temporary")
+        b.free(flat, COMPUTE, f"flat gradient of {h.name}")
+        h.grad, h.grad_stream = out, stream
+
+    def _side(self, stream: str, label: str, n: int, read: int, written: int, buffers: tuple[str, ...]) -> None:
+        self.b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
+        self.b.compute(stream, label, O.ComputeKind.ELEMENTWISE, n, read, written, deps=self.streams.deps(stream),
+                       buffers=buffers)
+
+    # ------------------------------------------------------------ kernels' parameters
+    def _params_of(self, m: ModuleSpec) -> tuple[str, ...]:
+        """A module's parameters are views into its unit's unsharded flat parameter."""
+        names = self.param_names.get(m.path)
+        if names is None:
+            names = self.param_names[m.path] = tuple(dict.fromkeys(self.unit_of_param[p.name].full
+                                                                   for p in m.params))
+        return names
+
+    # ------------------------------------------------------------ optimizer
+    def _optimizer(self) -> None:
+        b, c = self.b, self.costs
+        b.phase = Phase.OPTIMIZER
+        state = tuple(f"shard:{h.name}" for h in self.handles) + ("exp_avg", "exp_avg_sq") + \
+            tuple(h.grad for h in self.handles if h.grad)
+        deps = self.streams.deps(COMPUTE)
+        torch_adamw(b, COMPUTE, "optimizer.adamw", [(h.name, h.shard) for h in self.handles], state, c.launch_ns,
+                    self.foreach, deps=deps)
+        for h in self.handles:  # zero_grad(set_to_none=True)
+            if h.grad is not None:
+                b.free(h.grad, h.grad_stream, f"sharded gradient of {h.name}")
+                h.grad = None

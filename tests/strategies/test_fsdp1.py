@@ -1,0 +1,124 @@
+"""The FSDP1 generator (commsim.strategies.fsdp1*): exact ops, streams, buffers and groups on
+tiny models, without torch. Its collective sequences are checked against real FSDP1 in
+tests/runtime/test_fsdp1_fidelity.py; here the parts a recording cannot see."""
+
+import pytest
+
+from commsim.api import Scenario, build_schedule, describe_model
+from commsim.ir import ops as O
+from commsim.ir.errors import CommsimInputError
+from commsim.ir.validate import validate
+from commsim.strategies import World, generate_fsdp1
+from commsim.strategies.fsdp1 import predivide_factor
+from commsim.strategies.fsdp1_config import parse_fsdp1_config
+
+ROOT, L0, L1 = "root", "roberta.encoder.layer.0", "roberta.encoder.layer.1"
+
+
+def sched(cfg=None, nodes=1, gpn=2, ckpt=False, style="reentrant", dt=4):
+    md = describe_model("tiny", 2, 16, dt)
+    return generate_fsdp1(md, World(nodes, gpn), parse_fsdp1_config(cfg or {}), checkpointing=ckpt,
+                          checkpoint_style=style)
+
+
+def colls(s, rank=0):
+    return [(op.phase.value, op.kind.value, op.label.split(":")[-1], op.size_bytes, op.dtype.value, op.group,
+             op.stream) for op in s.program_of(rank).step if isinstance(op, O.Collective)]
+
+
+def test_one_flat_parameter_a_unit_padded_as_a_whole_and_the_default_order():
+    # tiny: 49984 elements a block, 77800 in the root (embeddings, LM head): each flat
+    # parameter padded to a multiple of the 2 ranks as a whole (FP:1440-1480)
+    fp32 = 4
+    assert colls(sched()) == [
+        ("fwd", "all_gather", ROOT, 77800 * fp32, "fp32", (0, 1), "unshard"),
+        ("fwd", "all_gather", L0, 49984 * fp32, "fp32", (0, 1), "unshard"),
+        ("fwd", "all_gather", L1, 49984 * fp32, "fp32", (0, 1), "unshard"),
+        # the root's pre-backward prefetches the last block, each block the one before
+        ("bwd", "all_gather", L1, 49984 * fp32, "fp32", (0, 1), "unshard"),
+        ("bwd", "all_gather", L0, 49984 * fp32, "fp32", (0, 1), "unshard"),
+        ("bwd", "reduce_scatter", L1, 49984 * fp32, "fp32", (0, 1), "post_backward"),
+        ("bwd", "reduce_scatter", L0, 49984 * fp32, "fp32", (0, 1), "post_backward"),
+        ("bwd", "reduce_scatter", ROOT, 77800 * fp32, "fp32", (0, 1), "post_backward")]
+    # over 3 ranks the root's 77800 elements pad to 77802
+    assert colls(sched(gpn=3))[0][3] == 77802 * fp32
+
+
+def test_reentrant_checkpointing_outside_the_units_gathers_each_block_three_times():
+    c = [(ph, kind[0], unit) for ph, kind, unit, *_ in colls(sched(ckpt=True))]
+    assert c == [("fwd", "a", ROOT), ("fwd", "a", L0), ("fwd", "a", L1),
+                 ("recompute", "a", L1), ("bwd", "a", L1), ("bwd", "r", L1),
+                 ("recompute", "a", L0), ("bwd", "a", L0), ("bwd", "r", L0), ("bwd", "r", ROOT)]
+    # non-reentrant: the hooks are as without checkpointing
+    assert [x[:3] for x in colls(sched(ckpt=True, style="non_reentrant"))] == [x[:3] for x in colls(sched())]
+
+
+def test_mixed_precision_casts_on_pre_unshard_and_reduces_in_fp32():
+    s = sched({"mp_param_dtype": "bf16", "mp_reduce_dtype": "fp32"}, dt=2)
+    ags = [x for x in colls(s) if x[1] == "all_gather"]
+    assert {(x[3], x[4]) for x in ags} == {(77800 * 2, "bf16"), (49984 * 2, "bf16")}
+    assert {x[4] for x in colls(s) if x[1] == "reduce_scatter"} == {"fp32"}
+    step = list(s.program_of(0).step)
+    casts = [op for op in step if isinstance(op, O.Compute) and ".cast:" in op.label]
+    assert len(casts) == len(ags) and {op.stream for op in casts} == {"pre_unshard"}
+    # the gradient cast to the reduce dtype before the reduce-scatter, on its stream
+    assert all(op.stream == "post_backward" for op in step if isinstance(op, O.Compute) and "to_reduce_dtype" in op.label)
+
+
+def test_the_rate_limiter_blocks_the_host_on_a_free_two_back():
+    def limiter_waits(s):
+        return [op for op in s.program_of(0).step if isinstance(op, O.HostSync) and "rate limiter" in op.label]
+
+    waits = limiter_waits(sched())
+    assert waits and all(op.scope is O.SyncScope.OPS for op in waits)
+    assert limiter_waits(sched({"limit_all_gathers": False})) == []
+
+
+def test_shard_grad_op_keeps_the_blocks_gathered_until_their_post_backward():
+    c = colls(sched({"sharding_strategy": "SHARD_GRAD_OP"}))
+    assert [x[1] for x in c if x[0] == "bwd"] == ["reduce_scatter"] * 3
+
+
+def test_hybrid_shard_reduces_inside_a_node_then_all_reduces_across_nodes():
+    s = sched({"sharding_strategy": "HYBRID_SHARD"}, nodes=2, gpn=2)
+    ars = [x for x in colls(s) if x[1] == "all_reduce"]
+    assert [(x[2], x[3], x[5], x[6]) for x in ars] == [(L1, 24992 * 4, (0, 2), "all_reduce"),
+                                                       (L0, 24992 * 4, (0, 2), "all_reduce"),
+                                                       (ROOT, 38900 * 4, (0, 2), "all_reduce")]
+    assert {x[5] for x in colls(s, rank=3) if x[1] == "all_reduce"} == {(1, 3)}
+    assert {x[5] for x in colls(s, rank=3) if x[1] != "all_reduce"} == {(2, 3)}
+
+
+@pytest.mark.parametrize("world, pre", [(1, 1), (2, 2), (4, 2), (6, 4), (8, 4), (16, 4), (64, 8), (96, 16)])
+def test_gradient_predivide_factor(world, pre):
+    assert predivide_factor(world) == pre
+
+
+def test_every_buffer_is_freed_and_the_schedule_validates():
+    for cfg, kw in (({}, {"ckpt": True}), ({"mp_param_dtype": "bf16", "mp_reduce_dtype": "bf16"}, {"dt": 2}),
+                    ({"sharding_strategy": "HYBRID_SHARD"}, {"nodes": 2, "gpn": 2})):
+        s = sched(cfg, **kw)
+        assert validate(s) == []
+        allocs = {op.buffer for op in s.program_of(0).step if isinstance(op, O.Alloc)}
+        frees = {op.buffer for op in s.program_of(0).step if isinstance(op, O.Free)}
+        assert allocs == frees
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"colour": 1}, "colour: unknown"),
+    ({"sharding_strategy": "NO_SHARD"}, "sharding_strategy 'NO_SHARD': allowed: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD"),
+    ({"forward_prefetch": True}, "forward_prefetch True: not modelled for FSDP1"),
+    ({"mp_param_dtype": "int8"}, "mp_param_dtype 'int8': allowed"),
+    ({"backward_prefetch": "EARLY"}, "backward_prefetch 'EARLY': allowed"),
+    ({"limit_all_gathers": 1}, "limit_all_gathers 1: true or false"),
+])
+def test_bad_settings_name_the_key(cfg, message):
+    with pytest.raises(CommsimInputError, match=message):
+        parse_fsdp1_config(cfg, "f.json")
+
+
+def test_deepspeed_settings_do_not_apply_to_fsdp1():
+    with pytest.raises(CommsimInputError, match="--stage: DeepSpeed settings; --strategy fsdp1 takes its settings"):
+        build_schedule(Scenario(strategy="fsdp1", stage=3, model="tiny", nodes=1, gpus_per_node=2))
+    s, _, _, precision = build_schedule(Scenario(strategy="fsdp1", model="tiny", nodes=1, gpus_per_node=2, seq=16))
+    assert s.meta.strategy == "fsdp1" and precision == "bf16"  # the seed's mixed precision by default
