@@ -32,7 +32,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--fsdp-config", help="FSDP2 settings JSON (default: FSDP2's defaults)")
+    ap.add_argument("--fsdp-config", help="FSDP2 settings JSON (default: FSDP2's defaults); with --fsdp1, FSDP1's "
+                    "(commsim.strategies.fsdp1_config)")
+    ap.add_argument("--fsdp1", action="store_true",
+                    help="wrap with FSDP1 (FullyShardedDataParallel) instead of FSDP2: every layer, then the model")
     ap.add_argument("--no-checkpointing", action="store_true", help="no per-layer activation checkpointing")
     ap.add_argument("--checkpoint-style", choices=("reentrant", "non_reentrant"), default="reentrant",
                     help="torch.utils.checkpoint use_reentrant=True (Hugging Face's default) or False")
@@ -53,6 +56,8 @@ def main() -> None:
     from commsim.strategies.fsdp2_config import load_fsdp_config, parse_fsdp_config, shard_size
     from runtime.torch_models import build_model
 
+    if args.fsdp1:
+        return train_fsdp1(args)
     fc = load_fsdp_config(args.fsdp_config) if args.fsdp_config else parse_fsdp_config({})
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
@@ -143,6 +148,52 @@ def main() -> None:
             json.dump({"step_times_s": times, "phase_times_s": phase_times, "phase_minor_faults": phase_faults}, f)
     dist.barrier()
     records.dump_flight_recorder(args, dist.get_rank())
+    dist.destroy_process_group()
+
+
+def train_fsdp1(args: argparse.Namespace) -> None:
+    """FSDP1 the usual way: ``FullyShardedDataParallel`` around every layer, then around the
+    model, Hugging Face's checkpointing around each layer's call (outside its unit);
+    plain steps (no timings or records)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from commsim.models import resolve_model
+    from commsim.strategies.fsdp1_config import load_fsdp1_config, parse_fsdp1_config
+    from runtime.torch_models import build_model
+
+    fc = load_fsdp1_config(args.fsdp_config) if args.fsdp_config else parse_fsdp1_config({})
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    world = dist.get_world_size()
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
+    kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy[fc.sharding_strategy],
+              limit_all_gathers=fc.limit_all_gathers, use_orig_params=False,
+              backward_prefetch=BackwardPrefetch[fc.backward_prefetch] if fc.backward_prefetch else None)
+    if fc.mp_param_dtype or fc.mp_reduce_dtype:
+        kw["mixed_precision"] = MixedPrecision(param_dtype=dtypes[fc.mp_param_dtype],
+                                               reduce_dtype=dtypes[fc.mp_reduce_dtype])
+    if fc.sharding_strategy == "HYBRID_SHARD":  # on CPUs the groups come from a mesh: 2 ranks a "node"
+        kw["device_mesh"] = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    cfg = resolve_model(args.model)
+    model = build_model(cfg)
+    if not args.no_checkpointing:
+        model.gradient_checkpointing_enable(use_reentrant=args.checkpoint_style == "reentrant")
+    layers = model.roberta.encoder.layer
+    for i in range(len(layers)):
+        layers[i] = FSDP(layers[i], **kw)
+    model = FSDP(model, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1234 + dist.get_rank())
+    for _ in range(args.steps):
+        ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
+        model(ids, labels=ids).backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
     dist.destroy_process_group()
 
 
