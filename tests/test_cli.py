@@ -524,3 +524,15 @@ def test_host_gc_stops_every_rank_for_each_ranks_pass():
                                                "independent], a positive number of steps, a non-negative pause in "
                                                "ms and where the ranks' passes fall, e.g. 30:200 or "
                                                "30:200:independent"]
+
+
+def test_predict_lowers_fsdp1_and_tune_refuses_it():
+    args = ("--strategy", "fsdp1", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--seq", "64")
+    out = predict_json(*args)
+    assert out["scenario"]["strategy"] == "fsdp1" and out["step_time_s"] > 0
+    assert "commsim predict: tiny, FSDP1, micro-batch 16 x 64, bf16" in run("predict", *args).stdout
+    tuned = run("tune", *args)
+    assert tuned.returncode == 2 and tuned.stdout == ""
+    assert tuned.stderr.strip().splitlines() == [
+        "commsim: error: --strategy fsdp1: tune searches DeepSpeed's or FSDP2's settings; FSDP1's are not searched "
+        "(sweep them: --grid fsdp.KEY=...)"]

@@ -60,6 +60,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from commsim.tune import tune
     from commsim.util.files import atomic_write_text
 
+    if args.strategy == "fsdp1":
+        raise CommsimInputError("--strategy fsdp1: tune searches DeepSpeed's or FSDP2's settings; FSDP1's are not "
+                                "searched (sweep them: --grid fsdp.KEY=...)")
     if args.output is None:
         args.output = "fsdp_config.tuned.json" if args.strategy == "fsdp2" else "ds_config.tuned.json"
     check_outputs(("-o", args.output))
