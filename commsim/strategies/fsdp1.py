@@ -93,7 +93,9 @@ class _Handle:
     padded: int  # P_u = S_u x S
     unsharded: bool = False
     prefetched: bool = False
-    hooks_registered: bool = False  # pre-backward hooks on its forward outputs (grad was enabled)
+    needs_pre_backward: bool = False  # _needs_pre_backward_unshard: hooks on its outputs, not yet fired
+    post_forward_index: int | None = None  # _post_forward_index (_exec_order_utils.py:130-148)
+    forward_grad: bool = True  # its last forward recorded autograd (no: under reentrant checkpointing)
     ugrads: set[str] = field(default_factory=set)
     grad: str | None = None
     grad_stream: str = POST_BACKWARD
@@ -221,33 +223,36 @@ class FSDP1Lowering(FSDP2Kernels):
             self._unshard(h)
         h.prefetched = False
         self._wait_for_unshard()
-        h.hooks_registered = grad
+        h.forward_grad = grad
 
     def _post_forward(self, h: _Handle) -> None:
         self._hook(f"post-forward {h.name}")
         free = h is not self.root and self.cfg.reshard_after_forward
         self._reshard(h, free)
-        if h.hooks_registered:
-            self.post_forward_order.append(h)
+        # record_post_forward: every call, the index at the first (index 0 is falsy and taken again)
+        if not h.post_forward_index:
+            h.post_forward_index = len(self.post_forward_order)
+        self.post_forward_order.append(h)
+        if h.forward_grad:  # _register_pre_backward_hooks returns at once without grad (RU:1391)
+            h.needs_pre_backward = True
 
     def _pre_backward(self, h: _Handle) -> None:
         self._hook(f"pre-backward {h.name}")
-        if not h.prefetched:
-            self._unshard(h)
+        if h.needs_pre_backward:
+            if not h.prefetched:
+                self._unshard(h)
+            self._wait_for_unshard()
         h.prefetched = False
-        self._wait_for_unshard()
+        h.needs_pre_backward = False  # RU:689
         if self.cfg.backward_prefetch == "BACKWARD_PRE":
             self._prefetch(h)
 
     def _prefetch(self, h: _Handle) -> None:
-        """The unit before ``h`` in post-forward order, if its backward hooks wait for it."""
-        order = self.post_forward_order
-        if h in order:
-            i = order.index(h)
-            target = order[i - 1] if i > 0 else None
-        else:
-            target = None
-        if target is not None and target.hooks_registered and not target.prefetched:
+        """The unit before ``h`` in post-forward order (``get_handle_to_backward_prefetch``),
+        if its pre-backward hook is still to unshard it (RU:1266-1279)."""
+        i = h.post_forward_index
+        target = self.post_forward_order[i - 1] if i else None
+        if target is not None and target.needs_pre_backward and not target.prefetched:
             self._unshard(target)
             target.prefetched = True
 
@@ -266,7 +271,6 @@ class FSDP1Lowering(FSDP2Kernels):
         if self.cfg.backward_prefetch == "BACKWARD_POST":
             self._prefetch(h)
         self._reduce(h, flat)
-        h.hooks_registered = False
 
     # ------------------------------------------------------------ unshard / reshard
     def _unshard(self, h: _Handle) -> None:

@@ -9,8 +9,9 @@ from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.validate import validate
 from commsim.strategies import World, generate_fsdp1
-from commsim.strategies.fsdp1 import predivide_factor
+from commsim.strategies.fsdp1 import FSDP1Lowering, predivide_factor
 from commsim.strategies.fsdp1_config import parse_fsdp1_config
+from commsim.strategies.knobs import HostCosts
 
 ROOT, L0, L1 = "root", "roberta.encoder.layer.0", "roberta.encoder.layer.1"
 
@@ -122,3 +123,22 @@ def test_deepspeed_settings_do_not_apply_to_fsdp1():
         build_schedule(Scenario(strategy="fsdp1", stage=3, model="tiny", nodes=1, gpus_per_node=2))
     s, _, _, precision = build_schedule(Scenario(strategy="fsdp1", model="tiny", nodes=1, gpus_per_node=2, seq=16))
     assert s.meta.strategy == "fsdp1" and precision == "bf16"  # the seed's mixed precision by default
+
+
+def test_a_unit_is_prefetched_only_while_its_pre_backward_hook_is_to_come(monkeypatch):
+    # without checkpointing the root's pre-backward prefetches the last block and each
+    # block the one before
+    def unshards(s):
+        return [op.label for op in s.program_of(0).step if isinstance(op, O.Collective) and ".ag:" in op.label]
+
+    assert unshards(sched())[3:] == ["bwd.ag:" + L1, "bwd.ag:" + L0]
+    # reentrant checkpointing: a block's hooks exist only from its recompute, and the
+    # root's pre-backward hook has fired before any block looks back: _unshard runs for
+    # the forward (3), the root's pre-backward (1) and each block's recompute and
+    # pre-backward (2 x 2), never as a prefetch
+    calls = []
+    real = FSDP1Lowering._unshard
+    monkeypatch.setattr(FSDP1Lowering, "_unshard", lambda self, h: (calls.append(h.name), real(self, h))[1])
+    md = describe_model("tiny", 2, 16, 4)
+    FSDP1Lowering(md, 2, 2, parse_fsdp1_config({}), HostCosts(), checkpointing=True).program()
+    assert calls == [ROOT, L0, L1, ROOT, L1, L1, L0, L0]
