@@ -125,72 +125,44 @@ def _ds_config(sc: Scenario):
 
 
 def _fsdp_config(sc: Scenario):
+    """FSDP2's or FSDP1's settings (``sc.strategy``): the file, the object, or the seed's."""
+    from commsim.strategies.fsdp1_config import load_fsdp1_config, parse_fsdp1_config
     from commsim.strategies.fsdp2_config import load_fsdp_config, parse_fsdp_config
 
+    parse, load = (parse_fsdp_config, load_fsdp_config) if sc.strategy == "fsdp2" else \
+        (parse_fsdp1_config, load_fsdp1_config)
     if sc.fsdp_config is None:
-        return parse_fsdp_config(default_fsdp_config(default_half(sc)), "default fsdp_config")
+        return parse(default_fsdp_config(default_half(sc)), "default fsdp_config")
     if isinstance(sc.fsdp_config, dict):
-        return parse_fsdp_config(sc.fsdp_config, "fsdp_config")
-    return load_fsdp_config(sc.fsdp_config)
+        return parse(sc.fsdp_config, "fsdp_config")
+    return load(sc.fsdp_config)
 
 
-def _fsdp1_config(sc: Scenario):
-    from commsim.strategies.fsdp1_config import load_fsdp1_config, parse_fsdp1_config
-
-    if sc.fsdp_config is None:
-        return parse_fsdp1_config(default_fsdp_config(default_half(sc)), "default fsdp_config")
-    if isinstance(sc.fsdp_config, dict):
-        return parse_fsdp1_config(sc.fsdp_config, "fsdp_config")
-    return load_fsdp1_config(sc.fsdp_config)
-
-
-def _build_fsdp1(sc: Scenario):
-    """The FSDP1 schedule of a scenario: as FSDP2's, with FullyShardedDataParallel's settings."""
-    from commsim.strategies import CURRENT, World, generate_fsdp1
+def _build_fsdp(sc: Scenario):
+    """The FSDP2 or FSDP1 schedule of a scenario (``sc.strategy``), from ``--fsdp-config``;
+    DeepSpeed's settings do not apply to either."""
+    from commsim.strategies import CURRENT, World, generate_fsdp1, generate_fsdp2
 
     given = [flag for flag, v in (("--ds-config", sc.ds_config), ("--stage", sc.stage), ("--knob", sc.knobs)) if v]
     if given or sc.preset != "current":
         given += ["--preset"] if sc.preset != "current" else []
-        raise CommsimInputError(f"{', '.join(given)}: DeepSpeed settings; --strategy fsdp1 takes its settings from "
-                                "--fsdp-config")
-    cfg = _fsdp1_config(sc)
-    cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
-    world = World(sc.nodes, cluster.node.gpus_per_node)
-    micro = sc.micro_batch or 16
-    md = describe_model(sc.model, micro, sc.seq, 4 if cfg.param_dtype == "fp32" else 2)
-    costs, source = _host_costs(sc, CURRENT.name)
-    device = _device(sc, cfg.param_dtype)
-    schedule = generate_fsdp1(md, world, cfg, checkpointing=sc.checkpointing, costs=costs,
-                              checkpoint_style=sc.checkpoint_style, device=device,
-                              host_blocking=_host_blocking(sc, device))
-    schedule = replace(schedule, meta=replace(schedule.meta, host_costs=source))
-    info = step_info(md, world.size, sc.nodes, 1, sc.checkpointing, cluster.node.price_usd_per_hour)
-    return schedule, md, info, cfg.param_dtype
-
-
-def _build_fsdp2(sc: Scenario):
-    """The FSDP2 schedule of a scenario; DeepSpeed's settings do not apply to it."""
-    from commsim.strategies import CURRENT, World, generate_fsdp2
-
-    given = [flag for flag, v in (("--ds-config", sc.ds_config), ("--stage", sc.stage), ("--knob", sc.knobs)) if v]
-    if given or sc.preset != "current":
-        given += ["--preset"] if sc.preset != "current" else []
-        raise CommsimInputError(f"{', '.join(given)}: DeepSpeed settings; --strategy fsdp2 takes its settings from "
-                                "--fsdp-config")
+        raise CommsimInputError(f"{', '.join(given)}: DeepSpeed settings; --strategy {sc.strategy} takes its settings "
+                                "from --fsdp-config")
+    fsdp2 = sc.strategy == "fsdp2"
     cfg = _fsdp_config(sc)
     cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
     world = World(sc.nodes, cluster.node.gpus_per_node)
     micro = sc.micro_batch or 16  # the seed scenario's
     md = describe_model(sc.model, micro, sc.seq, 4 if cfg.param_dtype == "fp32" else 2)
-    # FSDP2's hooks are not measured: its launches and hook cost are the defaults
+    # FSDP's hooks are not measured: its launches and hook cost are the defaults
     # (today's PyTorch dispatch and DeepSpeed 0.19.8's module hook; knobs.HostCosts)
     costs, source = _host_costs(sc, CURRENT.name)
     device = _device(sc, cfg.param_dtype)
-    schedule = generate_fsdp2(md, world, cfg, checkpointing=sc.checkpointing, costs=costs,
-                              checkpoint_style=sc.checkpoint_style, device=device,
-                              host_blocking=_host_blocking(sc, device))
+    generate = generate_fsdp2 if fsdp2 else generate_fsdp1
+    schedule = generate(md, world, cfg, checkpointing=sc.checkpointing, costs=costs,
+                        checkpoint_style=sc.checkpoint_style, device=device, host_blocking=_host_blocking(sc, device))
     schedule = replace(schedule, meta=replace(schedule.meta, host_costs=source))
-    info = step_info(md, world.size, sc.nodes, cfg.gradient_accumulation_steps, sc.checkpointing,
+    info = step_info(md, world.size, sc.nodes, schedule.meta.grad_accum, sc.checkpointing,
                      cluster.node.price_usd_per_hour)
     return schedule, md, info, cfg.param_dtype
 
@@ -221,10 +193,8 @@ def build_schedule(sc: Scenario):
 
     if sc.strategy not in STRATEGIES:
         raise CommsimInputError(f"--strategy {sc.strategy!r}: allowed: {', '.join(STRATEGIES)}")
-    if sc.strategy == "fsdp2":
-        return _build_fsdp2(sc)
-    if sc.strategy == "fsdp1":
-        return _build_fsdp1(sc)
+    if sc.strategy in ("fsdp2", "fsdp1"):
+        return _build_fsdp(sc)
     if sc.fsdp_config is not None:
         raise CommsimInputError("--fsdp-config: FSDP settings; give --strategy fsdp2 or fsdp1 with it")
     ds, where = _ds_config(sc)

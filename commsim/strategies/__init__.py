@@ -118,24 +118,10 @@ def generate_fsdp2(md: ModelDescription, world: World, cfg: FSDP2Config, checkpo
                              host_blocking=device == "cpu" if host_blocking is None else host_blocking)
     program = lowering.program()
     lay = lowering.layout
-    meta = ScheduleMeta(
-        model=md.name,
-        strategy="fsdp2",
-        generator=GENERATOR_VERSION,
-        description=f"PyTorch FSDP2 step of {md.name} on {world.nodes}x{world.gpus_per_node} GPUs "
-                    f"({'HSDP ' + str(lay.replicas) + ' x ' if lay.replicas > 1 else 'sharded over '}{lay.shard})",
-        # FSDP2's settings that shaped the schedule, under fsdp2_config's keys (unset ones left out)
-        config=tuple((k, v) for k, v in cfg.as_pairs() if v is not None)
-        + (("optimizer", "torch" if foreach else "torch single-tensor"),),
-        nodes=world.nodes,
-        gpus_per_node=world.gpus_per_node,
-        micro_batch=md.micro_batch,
-        seq_len=md.seq_len,
-        grad_accum=cfg.gradient_accumulation_steps,
-        precision=cfg.param_dtype,
-        checkpointing=checkpointing,
-        checkpoint_style=checkpoint_style if checkpointing else None,
-    )
+    how = f"HSDP {lay.replicas} x {lay.shard}" if lay.replicas > 1 else f"sharded over {lay.shard}"
+    meta = _fsdp_meta(md, world, "fsdp2", f"PyTorch FSDP2 step of {md.name} on {world.nodes}x{world.gpus_per_node} "
+                      f"GPUs ({how})", cfg.as_pairs(), foreach, cfg.gradient_accumulation_steps, cfg.param_dtype,
+                      checkpointing, checkpoint_style)
     return per_rank_schedule(world.size, program, lowering.groups_of, meta)
 
 
@@ -159,24 +145,24 @@ def generate_fsdp1(md: ModelDescription, world: World, cfg: FSDP1Config, checkpo
             break
         stale = len(lowering.queue)
     lay = lowering.layout
-    meta = ScheduleMeta(
-        model=md.name,
-        strategy="fsdp1",
-        generator=GENERATOR_VERSION,
-        description=f"PyTorch FSDP1 ({cfg.sharding_strategy}) step of {md.name} on {world.nodes}x{world.gpus_per_node}"
-                    f" GPUs (sharded over {lay.shard}{', ' + str(lay.replicas) + ' replicas' if lay.replicas > 1 else ''})",
-        config=tuple((k, v) for k, v in cfg.as_pairs() if v is not None)
-        + (("optimizer", "torch" if foreach else "torch single-tensor"),),
-        nodes=world.nodes,
-        gpus_per_node=world.gpus_per_node,
-        micro_batch=md.micro_batch,
-        seq_len=md.seq_len,
-        grad_accum=1,
-        precision=cfg.param_dtype,
-        checkpointing=checkpointing,
-        checkpoint_style=checkpoint_style if checkpointing else None,
-    )
+    how = f", {lay.replicas} replicas" if lay.replicas > 1 else ""
+    meta = _fsdp_meta(md, world, "fsdp1", f"PyTorch FSDP1 ({cfg.sharding_strategy}) step of {md.name} on "
+                      f"{world.nodes}x{world.gpus_per_node} GPUs (sharded over {lay.shard}{how})", cfg.as_pairs(),
+                      foreach, 1, cfg.param_dtype, checkpointing, checkpoint_style)
     return per_rank_schedule(world.size, program, lowering.groups_of, meta)
+
+
+def _fsdp_meta(md: ModelDescription, world: World, strategy: str, description: str, settings, foreach: bool,
+               grad_accum: int, precision: str, checkpointing: bool, checkpoint_style: str) -> ScheduleMeta:
+    """An FSDP schedule's meta: the settings that shaped it under their config keys (unset
+    ones left out) and the optimizer that runs."""
+    return ScheduleMeta(
+        model=md.name, strategy=strategy, generator=GENERATOR_VERSION, description=description,
+        config=tuple((k, v) for k, v in settings if v is not None)
+        + (("optimizer", "torch" if foreach else "torch single-tensor"),),
+        nodes=world.nodes, gpus_per_node=world.gpus_per_node, micro_batch=md.micro_batch, seq_len=md.seq_len,
+        grad_accum=grad_accum, precision=precision, checkpointing=checkpointing,
+        checkpoint_style=checkpoint_style if checkpointing else None)
 
 
 __all__ = ["STRATEGIES", "World", "generate", "generate_fsdp1", "generate_fsdp2", "GENERATOR_VERSION"]

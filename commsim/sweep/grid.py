@@ -147,7 +147,7 @@ def base_fsdp_config(base: Scenario) -> dict[str, Any]:
     """The scenario's FSDP2 settings as a JSON object (the seed scenario's when none)."""
     from commsim.scenario_defaults import default_fsdp_config, default_half
 
-    return _config_object(base.fsdp_config, lambda: default_fsdp_config(default_half(base)), "an FSDP2 config")
+    return _config_object(base.fsdp_config, lambda: default_fsdp_config(default_half(base)), "an FSDP config")
 
 
 def base_ds_config(base: Scenario) -> dict[str, Any]:
