@@ -117,13 +117,14 @@ def measure(steps: int = STEPS, world: int = WORLD) -> dict:
 
 
 def hook_figure(sharded_ns: list[int], plain_ns: list[int], extra_ops: dict[str, int], op_ns: float,
-                coll_ns: float, units: int) -> dict:
+                coll_ns: float, units: int, priced_ops: tuple[str, ...] = PRICED_OPS) -> dict:
     """Per hook call: the steps' minima's difference less what the schedule prices itself
-    (``PRICED_OPS`` at one dispatch each, c10d collectives at one call each), over
-    the hook calls fsdp2.py charges (``HOOKS_PER_UNIT`` a unit, ``HOOKS_PER_STEP`` more).
-    ``extra_ops``: FSDP2's ops beyond the plain step's."""
+    (``priced_ops`` at one dispatch each, c10d collectives at one call each), over
+    the hook calls the generator charges (``HOOKS_PER_UNIT`` a unit, ``HOOKS_PER_STEP``
+    more: FSDP1's count is the same). ``extra_ops``: the wrapped step's ops beyond the
+    plain step's."""
     colls = sum(v for k, v in extra_ops.items() if k.startswith("c10d."))
-    priced = sum(extra_ops.get(k, 0) for k in PRICED_OPS)
+    priced = sum(extra_ops.get(k, 0) for k in priced_ops)
     hooks = HOOKS_PER_UNIT * units + HOOKS_PER_STEP
     assert units > 0, "no unit"
     total = min(sharded_ns) - min(plain_ns) - priced * op_ns - colls * coll_ns
@@ -173,19 +174,22 @@ def collective_ns(torch, dist, calls: int = 2_000) -> float:
     return (clock() - t0) / calls
 
 
-def measure_processes(processes: int = 3, world: int = WORLD, steps: int = STEPS, log=print) -> list[dict]:
-    """``processes`` runs, each in a process of its own (the fake group is global)."""
+def measure_processes(processes: int = 3, world: int = WORLD, steps: int = STEPS, log=print,
+                      framework: str = "fsdp2") -> list[dict]:
+    """``processes`` runs, each in a process of its own (the fake group is global);
+    ``framework``: fsdp2 (this module) or fsdp1 (runtime/fsdp1_host_costs.py)."""
     docs = []
+    what = framework.upper()
     with tempfile.TemporaryDirectory() as d:
         for k in range(processes):
-            log(f"timing FSDP2's hooks ({k + 1} of {processes})")
-            out = Path(d, f"fsdp2-{k}.json")
+            log(f"timing {what}'s hooks ({k + 1} of {processes})")
+            out = Path(d, f"{framework}-{k}.json")
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            res = subprocess.run([sys.executable, "-m", "runtime.fsdp2_host_costs", "--world", str(world),
+            res = subprocess.run([sys.executable, "-m", f"runtime.{framework}_host_costs", "--world", str(world),
                                   "--steps", str(steps), "-o", str(out)],
                                  capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
             if res.returncode != 0:
-                raise RuntimeError(f"timing FSDP2's hooks failed:\n{res.stderr[-3000:]}")
+                raise RuntimeError(f"timing {what}'s hooks failed:\n{res.stderr[-3000:]}")
             docs.append(json.loads(out.read_text()))
     return docs
 
@@ -222,19 +226,29 @@ def measure_for_profile(processes: int = 3, log=print) -> dict:
 
 
 def derive(stored_dir: str, paths: list[str]) -> dict[str, int]:
-    """The default ``fsdp2_hook_ns``: this machine's median per hook call times its ratio
-    to the stored DeepSpeed figures' machine, from the DeepSpeed 0.19.8 runs among
-    ``paths`` (the FSDP2 runs are the ones with ``per_hook_call_ns``)."""
+    """The default ``fsdp2_hook_ns`` / ``fsdp1_hook_ns``: this machine's figure per hook
+    call (``per_hook_ns`` over its processes) times its ratio to the stored DeepSpeed
+    figures' machine, from the DeepSpeed 0.19.8 runs among ``paths`` (the FSDP runs are
+    the ones with ``per_hook_call_ns``; a run's ``framework`` says which, FSDP2 when
+    absent); one key per framework found."""
     from runtime.ds_host_derive import CPU_SCALE, machine_ratio
 
     docs = [json.loads(Path(p).read_text()) for p in paths]
-    fsdp2 = [d for d in docs if "per_hook_call_ns" in d]
     ds = [d for d in docs if d.get("deepspeed") == "0.19.8"]
     stored = [json.loads(p.read_text()) for p in sorted(Path(stored_dir).glob("deepspeed-0.19.8-world*.json"))]
-    assert fsdp2 and ds and stored, "needs FSDP2 runs, DeepSpeed 0.19.8 runs and the stored 0.19.8 figures"
+    runs: dict[str, list[dict]] = {}
+    for d in docs:
+        if "per_hook_call_ns" in d:
+            runs.setdefault(d.get("framework", "fsdp2"), []).append(d)
+    assert runs and ds and stored, "needs FSDP runs, DeepSpeed 0.19.8 runs and the stored 0.19.8 figures"
     ratio = machine_ratio(stored, ds)
-    return {"fsdp2_hook_ns": int(round(per_hook_ns(fsdp2) * CPU_SCALE * ratio, -2)),
-            "measured_ns": per_hook_ns(fsdp2), "machine_ratio_x1000": round(ratio * 1000)}
+    out: dict[str, int] = {}
+    for framework, fsdp in sorted(runs.items()):
+        measured = per_hook_ns(fsdp)
+        out[f"{framework}_hook_ns"] = int(round(measured * CPU_SCALE * ratio, -2))
+        out[f"{framework}_measured_ns"] = measured
+    out["machine_ratio_x1000"] = round(ratio * 1000)
+    return out
 
 
 def _cpu_name() -> str:

@@ -381,11 +381,12 @@ class Calibrated:
 
 
 def calibrate(out: str, backend: str = "gloo", nproc: int = 2, quick: bool = False, schedules: tuple[str, ...] = (),
-              deepspeed_host_costs: bool = False, fsdp2_host_costs: bool = False, log=None) -> Calibrated:
+              deepspeed_host_costs: bool = False, fsdp2_host_costs: bool = False, fsdp1_host_costs: bool = False,
+              log=None) -> Calibrated:
     """Measure this machine into the hardware profile ``out``: as one rank of a job
     torchrun / srun started, or as ``nproc`` local ranks; ``schedules``' GEMM shapes are
-    timed too; ``deepspeed_host_costs`` / ``fsdp2_host_costs`` (local ranks only) add
-    real DeepSpeed's / FSDP2's hook costs to the profile."""
+    timed too; ``deepspeed_host_costs`` / ``fsdp2_host_costs`` / ``fsdp1_host_costs``
+    (local ranks only) add real DeepSpeed's / FSDP2's / FSDP1's hook costs to the profile."""
     import json
 
     from runtime.executor import env_rank
@@ -393,7 +394,8 @@ def calibrate(out: str, backend: str = "gloo", nproc: int = 2, quick: bool = Fal
     shapes = gemm_shapes(list(schedules))
     found = env_rank()
     if found is not None:  # one rank of a job someone else launched (torchrun, srun)
-        for flag, on in (("--deepspeed-host-costs", deepspeed_host_costs), ("--fsdp2-host-costs", fsdp2_host_costs)):
+        for flag, on in (("--deepspeed-host-costs", deepspeed_host_costs), ("--fsdp2-host-costs", fsdp2_host_costs),
+                         ("--fsdp1-host-costs", fsdp1_host_costs)):
             if on:
                 raise CommsimInputError(f"{flag}: run it without torchrun (it launches its own processes)")
         calibrate_env(backend, out, quick=quick, shapes=shapes)
@@ -408,6 +410,10 @@ def calibrate(out: str, backend: str = "gloo", nproc: int = 2, quick: bool = Fal
         from runtime.fsdp2_host_costs import measure_for_profile
 
         measured.append(measure_for_profile(log=log or (lambda m: None)))
+    if fsdp1_host_costs:
+        from runtime.fsdp1_host_costs import measure_for_profile as measure_fsdp1
+
+        measured.append(measure_fsdp1(log=log or (lambda m: None)))
     if measured:
         from commsim.util.files import atomic_write_text
         from runtime.calibrate_ds import merge_host_costs

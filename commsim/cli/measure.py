@@ -51,7 +51,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     done = calibrate(args.output, args.backend, args.nproc_per_node, quick=args.quick,
                      schedules=tuple(args.schedule or ()), deepspeed_host_costs=args.deepspeed_host_costs,
-                     fsdp2_host_costs=args.fsdp2_host_costs, log=lambda m: print(f"calibrate: {m}", flush=True))
+                     fsdp2_host_costs=args.fsdp2_host_costs, fsdp1_host_costs=args.fsdp1_host_costs,
+                     log=lambda m: print(f"calibrate: {m}", flush=True))
     if done.from_env:
         if done.wrote:
             print(f"{args.output}: hardware profile of {done.ranks} {args.backend} ranks (from the environment)")
@@ -68,9 +69,9 @@ def _calibrate_from_comms_log(args: argparse.Namespace) -> int:
     if not args.hw_profile:
         raise CommsimInputError("--from-comms-log needs --hw-profile BASE: the log times collectives only; compute, "
                                 "memory and contention come from BASE (a commsim calibrate profile)")
-    if args.schedule or args.deepspeed_host_costs or args.fsdp2_host_costs:
+    if args.schedule or args.deepspeed_host_costs or args.fsdp2_host_costs or args.fsdp1_host_costs:
         raise CommsimInputError("--from-comms-log reads a log and measures nothing: leave out --schedule, "
-                                "--deepspeed-host-costs and --fsdp2-host-costs")
+                                "--deepspeed-host-costs, --fsdp2-host-costs and --fsdp1-host-costs")
     from commsim.hardware.profile import INTER_NODE, INTRA_NODE
     from commsim.hardware.profile_doc import profile_from_dict
     from commsim.ingest.comms_logger import (calibration_points, merged_profile, parse_raw, parse_text,
@@ -262,6 +263,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "about two minutes; needs deepspeed)")
     p.add_argument("--fsdp2-host-costs", action="store_true",
                    help="also measure PyTorch FSDP2's host time per hook call on this machine (three processes, "
+                   "about half a minute)")
+    p.add_argument("--fsdp1-host-costs", action="store_true",
+                   help="also measure PyTorch FSDP1's host time per hook call on this machine (three processes, "
                    "about half a minute)")
     p.add_argument("--from-comms-log", metavar="LOG",
                    help="measure nothing: take the collectives' fits from DeepSpeed's comms-logger output (its per-op "

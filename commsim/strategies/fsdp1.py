@@ -45,9 +45,10 @@ FP = _flat_param.py, LU = _limiter_utils.py.
   ``zero_grad`` frees the sharded gradients.
 
 The collective order of each setting was recorded from real FSDP1 on gloo ranks
-(tests/runtime/test_fsdp1_fidelity.py). FSDP1's hooks' Python is not measured: each hook
-call is charged DeepSpeed 0.19.8's module hook with its plumbing (``HostCosts``), a
-stand-in.
+(tests/runtime/test_fsdp1_fidelity.py). Each hook call (the root's pre-forward, each
+unit's pre-forward, post-forward, pre-backward and post-backward, the final callback) is
+charged ``HostCosts.fsdp1_hook_ns``, FSDP1's own Python timed by difference
+(runtime/fsdp1_host_costs.py) beside the kernels and collectives priced here.
 """
 
 from __future__ import annotations
@@ -213,8 +214,7 @@ class FSDP1Lowering(FSDP2Kernels):
 
     # ------------------------------------------------------------ hooks
     def _hook(self, what: str) -> None:
-        c = self.costs
-        self.b.host(f"FSDP1 {what}", O.HostKind.MODULE_HOOK, c.module_hook_ns + c.hook_plumbing_ns)
+        self.b.host(f"FSDP1 {what}", O.HostKind.MODULE_HOOK, self.costs.fsdp1_hook_ns)
 
     def _pre_forward(self, h: _Handle, grad: bool) -> None:
         if h is not self.root:

@@ -188,6 +188,12 @@ class HostCosts:
     # unsharded parameters, beyond the copies, allocations and collectives the schedule
     # prices itself (runtime/fsdp2_host_costs.py; machine and scaling below HOST_COSTS).
     fsdp2_hook_ns: int = 296_400
+    # One PyTorch FSDP1 hook call (the root's or a unit's pre-forward, a post-forward,
+    # pre-backward or post-backward, the final callback): its Python, the views of the
+    # flat parameter, record_function scopes, beyond the kernels, allocations and
+    # collectives the schedule prices itself (runtime/fsdp1_host_costs.py; machine and
+    # scaling below HOST_COSTS).
+    fsdp1_hook_ns: int = 206_600
     # The per-parameter gradient hook (bucket bookkeeping, the copy call).
     grad_hook_ns: int = 23_300
     # A bucket flush: fixed, per rank (its partition bookkeeping), and per gradient in
@@ -249,6 +255,12 @@ class HostCosts:
 # 0.19.8's timed routines, from 0.19.8 runs at 8 and 64 ranks in the same minutes
 # (1.40x): ``python -m runtime.fsdp2_host_costs --derive traces/host-costs
 # traces/host-costs/fsdp2/*.json``.
+# FSDP1's hooks (fsdp1_hook_ns, torch 2.13.0, every preset) were timed the same way on an
+# AMD EPYC Zen 4 VM core (2026-12-05, three processes interleaved with DeepSpeed 0.19.8
+# at 8 and 64 ranks, traces/host-costs/fsdp1/: 194.0 us per hook call there, the fastest
+# FSDP1 step less the fastest plain one) and scaled by that machine's ratio to the
+# stored runs' (1.065x): ``python -m runtime.fsdp1_host_costs --derive traces/host-costs
+# traces/host-costs/fsdp1/*.json``.
 HOST_COSTS: dict[str, HostCosts] = {
     "0.19.8": HostCosts(),
     "0.6.0": HostCosts(hook_plumbing_ns=29_100, module_hook_ns=35_900, fetch_param_ns=1_800, gather_param_ns=44_100,
