@@ -246,12 +246,15 @@ def e5(tmp: Path) -> list[Row]:
     # IBM fms-fsdp (2024) on 128 A100-80GB = 16 nodes: Llama-2 shapes (34B: CodeLlama's,
     # 8 key-value heads; 70B: 8), seq 4096, bf16, SDPA flash attention (the catalogue's
     # Hugging Face Llama with attn_implementation "sdpa"; fms's own Llama module is
-    # assumed to launch the same kernels). FSDP there (FSDP1) is modelled by the FSDP2
-    # generator: one unit per block and the root; mixed precision bf16 for parameters
-    # and gradient reduction (fms-fsdp's bf16 policy, assumed); hybrid sharding = HSDP,
-    # sharded inside a node, replicated across the 16. The network is not stated: the
-    # range is over DGX A100's 8x200 Gb/s InfiniBand and p4de's 4x100 Gb/s EFA, on the
-    # NCCL of 2023-2024 (stack "2023").
+    # assumed to launch the same kernels). fms-fsdp wraps with FSDP1
+    # (FullyShardedDataParallel, its ShardingStrategy names; A4's issue is of the same
+    # repository): one unit per block and the root, torch's defaults otherwise (rate
+    # limiter, BACKWARD_PRE); mixed precision bf16 for parameters and gradient
+    # reduction (fms-fsdp's bf16 policy, assumed); hybrid sharding = HYBRID_SHARD,
+    # sharded inside a node, replicated across the 16; checkpointing by torch's
+    # non-reentrant checkpoint wrapper (fms-fsdp's, assumed). The network is not stated:
+    # the range is over DGX A100's 8x200 Gb/s InfiniBand and p4de's 4x100 Gb/s EFA, on
+    # the NCCL of 2023-2024 (stack "2023").
     shapes = {"7b": (4096, 32, 32, 32, 11008), "13b": (5120, 40, 40, 40, 13824), "34b": (8192, 48, 64, 8, 22016),
               "70b": (8192, 80, 64, 8, 28672)}
     runs = [("7b", True, 2, False, 3760.0), ("13b", True, 1, False, 1700.0), ("34b", False, 8, True, 772.0),
@@ -264,21 +267,20 @@ def e5(tmp: Path) -> list[Row]:
                                                   "num_attention_heads": heads, "num_key_value_heads": kv,
                                                   "intermediate_size": ffn, "vocab_size": 32000,
                                                   "max_position_embeddings": seq, "attn_implementation": "sdpa"})
-        fsdp = {"mp_param_dtype": "bf16", "mp_reduce_dtype": "bf16"}
-        if hybrid:
-            fsdp["hsdp_replicas"] = nodes
+        fsdp = {"mp_param_dtype": "bf16", "mp_reduce_dtype": "bf16",
+                "sharding_strategy": "HYBRID_SHARD" if hybrid else "FULL_SHARD"}
         values = []
         for net in ("ib", "efa"):
-            p = predict(Scenario(model=cfg, strategy="fsdp2", fsdp_config=fsdp, cluster="dgx-a100", nodes=nodes,
+            p = predict(Scenario(model=cfg, strategy="fsdp1", fsdp_config=fsdp, cluster="dgx-a100", nodes=nodes,
                                  net=net, nccl_stack="2023", micro_batch=micro, seq=seq, checkpointing=ckpt,
-                                 mode="symmetric"))
+                                 checkpoint_style="non_reentrant", mode="symmetric"))
             if not p.metrics.oom:
                 values.append(micro * seq / p.metrics.step_time_s)
         sharding = "hybrid (HSDP 16 x 8)" if hybrid else "full"
         rows.append(range_row("E5", f"Llama-2 {name} tokens/GPU/s, {sharding} sharding",
                               f"16x dgx-a100 A100-80GB, IB 8x200 or EFA 4x100 (not stated), NCCL 2.18; Llama "
-                              f"{name} (h {h}, {layers} layers, {heads} heads, {kv} kv heads), SDPA, FSDP2 {sharding}, "
+                              f"{name} (h {h}, {layers} layers, {heads} heads, {kv} kv heads), SDPA, FSDP1 {sharding}, "
                               f"bf16, micro-batch {micro} x seq {seq}, "
-                              f"{'layer-wise checkpointing' if ckpt else 'no checkpointing'}",
+                              f"{'layer-wise non-reentrant checkpointing' if ckpt else 'no checkpointing'}",
                               "tok/s", published, values, E2E, note="range over the two networks"))
     return rows

@@ -87,13 +87,13 @@ SKIPPED = [
     Skipped("X5", "a 1-CTA send/recv slowed a 128-CTA GEMM", "no figure published; no point-to-point op"),
     Skipped("A1", "flush semantics (code)", "a mechanism, no number (the simulator models it)"),
     Skipped("A2", "LLaMA-7B FSDP on 16 A100: 5.3 / 7.3 / 5.0 s per iteration, 0 / 46 / 0 retries",
-            "FSDP1 (FULL_SHARD, its limit_all_gathers rate limiter, the mechanism behind the retries): commsim "
-            "generates FSDP2, which has no rate limiter; the 'other 7B model' is not named"),
+            "FSDP1 with and without its rate limiter is generated (--strategy fsdp1), but the sequence length, "
+            "the GPUs' memory and the network are not given, and the 'other 7B model' is not named"),
     Skipped("A3", "torch.cuda.empty_cache() every step: about 80 ms a step",
             "no IR op for an explicit cache flush; the PR's model and batch are not given"),
     Skipped("A4", "fms-fsdp batch 12 / 14: 6.83 / 4.91 samples/s; T5-11B on 2 p4d: 5.81 s/batch",
-            "FSDP1 runs (FULL_SHARD, its rate limiter): commsim generates FSDP2; no encoder-decoder (T5) "
-            "family in the catalogue"),
+            "fms-fsdp's: model, sequence length and GPU count not given in published-runs.md; T5-11B: no "
+            "encoder-decoder (T5) family in the catalogue"),
 ]
 
 ITEMS: dict[str, Callable[[Path], list[Row]]] = {

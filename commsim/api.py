@@ -30,6 +30,7 @@ from commsim.scenario_defaults import bf16_warning, default_ds_config, default_f
 from commsim.report.metrics import Metrics, StepInfo, compute_metrics, step_info
 from commsim.sim.engine import SimConfig, SimResult, Simulator, simulate
 from commsim.sim.host_gc import aligned_by_default, parse_host_gc
+from commsim.strategies.zero3_trace import CHECKPOINT_STYLES
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,8 @@ def _build_fsdp(sc: Scenario):
     world = World(sc.nodes, cluster.node.gpus_per_node)
     micro = sc.micro_batch or 16  # the seed scenario's
     md = describe_model(sc.model, micro, sc.seq, 4 if cfg.param_dtype == "fp32" else 2)
-    # FSDP's hooks are not measured: its launches and hook cost are the defaults
-    # (today's PyTorch dispatch and DeepSpeed 0.19.8's module hook; knobs.HostCosts)
+    # FSDP's launches are today's PyTorch dispatch, its hooks its own measured figure
+    # (knobs.HostCosts.fsdp2_hook_ns / fsdp1_hook_ns), or a profile's
     costs, source = _host_costs(sc, CURRENT.name)
     device = _device(sc, cfg.param_dtype)
     generate = generate_fsdp2 if fsdp2 else generate_fsdp1
@@ -285,6 +286,8 @@ def _info_from_schedule(schedule: Schedule, nodes: int, price: float) -> StepInf
 def predict(sc: Scenario) -> Prediction:
     """Generate (or load) the schedule, simulate it, compute the metrics."""
     check_host_scale(sc.host_scale)
+    if sc.checkpoint_style not in CHECKPOINT_STYLES:
+        raise CommsimInputError(f"--checkpoint-style {sc.checkpoint_style!r}: allowed: {', '.join(CHECKPOINT_STYLES)}")
     cluster = cluster_preset(sc.cluster, sc.nodes, sc.net, sc.gpus_per_node, sc.nccl_stack)
     if sc.schedule:
         from commsim.ir.validate import check_valid

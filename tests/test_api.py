@@ -115,3 +115,8 @@ def test_a_prediction_whose_allocator_flushes_simulates_every_rank(monkeypatch, 
     assert any("8 ranks are too many to simulate one by one" in s for s in capped.sources)
     # asked for explicitly, a mode is kept
     assert predict(sc.with_(mode="symmetric")).sources == sym.sources
+
+
+def test_an_unknown_checkpoint_style_is_refused_before_generating():
+    with pytest.raises(CommsimInputError, match=r"^--checkpoint-style 'non-reentrant': allowed: reentrant, non_reentrant$"):
+        predict(Scenario(model="tiny", strategy="fsdp1", checkpoint_style="non-reentrant"))
