@@ -148,7 +148,7 @@ def generate_fsdp1(md: ModelDescription, world: World, cfg: FSDP1Config, checkpo
     how = f", {lay.replicas} replicas" if lay.replicas > 1 else ""
     meta = _fsdp_meta(md, world, "fsdp1", f"PyTorch FSDP1 ({cfg.sharding_strategy}) step of {md.name} on "
                       f"{world.nodes}x{world.gpus_per_node} GPUs (sharded over {lay.shard}{how})", cfg.as_pairs(),
-                      foreach, 1, cfg.param_dtype, checkpointing, checkpoint_style)
+                      foreach, cfg.gradient_accumulation_steps, cfg.param_dtype, checkpointing, checkpoint_style)
     return per_rank_schedule(world.size, program, lowering.groups_of, meta)
 
 

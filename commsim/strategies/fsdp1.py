@@ -41,6 +41,14 @@ FP = _flat_param.py, LU = _limiter_utils.py.
   backward (RU:1272-1279: the target's ``_needs_pre_backward_unshard`` is still False).
   Non-reentrant: the pre-backward hook fires first and the recompute's hooks return at
   once (RU:375-380);
+* gradient accumulation: the optimizer runs after the last micro-step. Without
+  ``no_sync`` each micro-step reduces; from the second on the new fp32 shard is added
+  into the kept one (``_accumulate_sharded_grad``, RU:906-928) and freed. Inside
+  ``no_sync()`` nothing is reduced: the flat gradient stays as the flat parameter's
+  ``.grad`` and the next micro-step's is added into it (AccumulateGrad) and freed; the
+  final callback does not wait for the reduction streams (RU:1099-1105); SHARD_GRAD_OP
+  keeps its gathered parameters through it (``_should_free_in_backward``, RU:795-812),
+  so the next micro-step gathers nothing. The last micro-step reduces what accumulated;
 * the optimizer: torch's AdamW on the rank's fp32 flat shards (foreach on GPUs), then
   ``zero_grad`` frees the sharded gradients.
 
@@ -62,6 +70,7 @@ from commsim.models.spec import ModelDescription, ModuleSpec
 from commsim.strategies.activations import Activations
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.fsdp1_config import FSDP1Config
+from commsim.strategies.fsdp1_reduce import ALL_REDUCE, COMPUTE, FP32, POST_BACKWARD, FSDP1Reduction
 from commsim.strategies.fsdp2_comm import DTYPES, Streams
 from commsim.strategies.fsdp2_config import FSDP2Config
 from commsim.strategies.fsdp2_kernels import FSDP2Kernels
@@ -70,19 +79,7 @@ from commsim.strategies.knobs import HostCosts
 from commsim.strategies.optimizer import torch_adamw
 from commsim.strategies.zero3_trace import CHECKPOINT_STYLES
 
-COMPUTE, UNSHARD, PRE_UNSHARD, POST_BACKWARD, ALL_REDUCE = (
-    "compute", "unshard", "pre_unshard", "post_backward", "all_reduce")
-FP32 = O.DType.FP32
-
-
-def predivide_factor(world: int) -> int:
-    """``DefaultState._get_gradient_predivide_factor`` (algorithms/_comm_hooks/
-    default_hooks.py:38-42, called at _init_utils.py:131-138): f doubled from 1 while it
-    divides the data-parallel world and world / f > f; world / f is divided after."""
-    f = 1
-    while world % f == 0 and world / f > f:
-        f *= 2
-    return f
+UNSHARD, PRE_UNSHARD = "unshard", "pre_unshard"
 
 
 @dataclass
@@ -98,8 +95,9 @@ class _Handle:
     post_forward_index: int | None = None  # _post_forward_index (_exec_order_utils.py:130-148)
     forward_grad: bool = True  # its last forward recorded autograd (no: under reentrant checkpointing)
     ugrads: set[str] = field(default_factory=set)
-    grad: str | None = None
+    grad: str | None = None  # the sharded gradient (``_saved_grad_shard``, then ``.grad``)
     grad_stream: str = POST_BACKWARD
+    acc: str | None = None  # the unsharded gradient kept under no_sync (the flat parameter's ``.grad``)
 
     @property
     def name(self) -> str:
@@ -110,7 +108,7 @@ class _Handle:
         return f"flat:{self.unit.name}"
 
 
-class FSDP1Lowering(FSDP2Kernels):
+class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
     """One rank's FSDP1 step. ``stale``: free events already in the limiter's queue at
     the step's start (the previous step's, long complete)."""
 
@@ -138,6 +136,7 @@ class FSDP1Lowering(FSDP2Kernels):
         self.queue: list[O.OpId | None] = [None] * stale  # _FreeEventQueue
         self.post_forward_order: list[_Handle] = []
         self.mb = ""
+        self.sync = True  # this micro-step reduces (not inside no_sync)
         self.param_names: dict[str, tuple[str, ...]] = {}
         self.numel = {p.name: p.numel for p in md.unique_params()}
         self.seen_grads: set[str] = set()
@@ -155,8 +154,12 @@ class FSDP1Lowering(FSDP2Kernels):
         n = sum(h.shard for h in self.handles)
         for state in ("exp_avg", "exp_avg_sq"):
             b.setup_alloc(state, n * 4, f"AdamW {state} (this rank's flat shards)")
-        self._forward()
-        self._backward()
+        gas = self.cfg.gradient_accumulation_steps
+        for micro in range(gas):
+            self.mb = f"mb{micro}." if gas > 1 else ""
+            self.sync = not self.cfg.no_sync or micro == gas - 1
+            self._forward()
+            self._backward()
         self._optimizer()
         return b.program()
 
@@ -208,9 +211,13 @@ class FSDP1Lowering(FSDP2Kernels):
         self.acts.end_backward()
         self._post_backward(root)
         self._hook("post-backward final callback")
-        self.streams.wait_stream(COMPUTE, POST_BACKWARD)
-        if self.replica_group is not None:
-            self.streams.wait_stream(COMPUTE, ALL_REDUCE)
+        if self.sync:  # RU:1099-1105
+            self.streams.wait_stream(COMPUTE, POST_BACKWARD)
+            if self.replica_group is not None:
+                self.streams.wait_stream(COMPUTE, ALL_REDUCE)
+        self.post_forward_order.clear()  # exec_order.next_iter(), and each handle's flags (RU:1113-1124)
+        for h in self.handles:
+            h.post_forward_index, h.prefetched, h.needs_pre_backward = None, False, False
 
     # ------------------------------------------------------------ hooks
     def _hook(self, what: str) -> None:
@@ -257,19 +264,29 @@ class FSDP1Lowering(FSDP2Kernels):
             target.prefetched = True
 
     def _post_backward(self, h: _Handle) -> None:
-        b, u = self.b, h.unit
+        b, u, mb = self.b, h.unit, self.mb
         self._hook(f"post-backward {h.name}")
-        flat = f"fgrad:{h.name}"  # AccumulateGrad of the flat parameter: the views' gradients concatenated
+        flat = f"{mb}fgrad:{h.name}"  # the views' gradients concatenated, for the flat parameter's AccumulateGrad
         cb = self.cdt.itemsize_bytes
         grads = tuple(f"ugrad:{n}" for n in sorted(h.ugrads))
         b.alloc(flat, u.numel * cb, COMPUTE, f"flat gradient of {h.name}")
-        self._elementwise(f"bwd.cat:{h.name}", u.numel, u.numel * cb, u.numel * cb, grads + (flat,))
+        self._elementwise(f"{mb}bwd.cat:{h.name}", u.numel, u.numel * cb, u.numel * cb, grads + (flat,))
         for g in grads:
             b.free(g, COMPUTE, "a parameter's gradient (concatenated)")
         h.ugrads.clear()
-        self._reshard(h, True)
+        if h.acc is not None:  # AccumulateGrad adds into the .grad kept from no_sync micro-steps
+            self._elementwise(f"{mb}bwd.accumulate_grad:{h.name}", u.numel, 2 * u.numel * cb, u.numel * cb,
+                              (h.acc, flat))
+            b.free(flat, COMPUTE, f"new flat gradient of {h.name} (accumulated)")
+            flat = h.acc
+        # inside no_sync, SHARD_GRAD_OP keeps its parameters gathered (_should_free_in_backward, RU:795-812)
+        self._reshard(h, self.sync or self.cfg.reshard_after_forward)
         if self.cfg.backward_prefetch == "BACKWARD_POST":
             self._prefetch(h)
+        if not self.sync:  # no_sync: the unsharded gradient stays in .grad (RU:743-746)
+            h.acc = flat
+            return
+        h.acc = None
         self._reduce(h, flat)
 
     # ------------------------------------------------------------ unshard / reshard
@@ -281,8 +298,8 @@ class FSDP1Lowering(FSDP2Kernels):
             src = f"mp_shard:{h.name}"
             b.alloc(src, h.shard * self.cdt.itemsize_bytes, PRE_UNSHARD, f"{h.name}'s shard in {self.cdt.value}")
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
-            b.compute(PRE_UNSHARD, f"{b.phase.value}.cast:{h.name}", O.ComputeKind.ELEMENTWISE, h.shard, h.shard * 4,
-                      h.shard * self.cdt.itemsize_bytes, deps=self.streams.deps(PRE_UNSHARD),
+            b.compute(PRE_UNSHARD, f"{self.mb}{b.phase.value}.cast:{h.name}", O.ComputeKind.ELEMENTWISE, h.shard,
+                      h.shard * 4, h.shard * self.cdt.itemsize_bytes, deps=self.streams.deps(PRE_UNSHARD),
                       buffers=(f"shard:{h.name}", src))
             self.streams.wait_stream(UNSHARD, PRE_UNSHARD)
         if self.cfg.limit_all_gathers and len(self.queue) >= 2:  # _FreeEventQueue.dequeue_if_needed
@@ -292,7 +309,7 @@ class FSDP1Lowering(FSDP2Kernels):
         if not h.unsharded:
             b.alloc(h.full, h.padded * self.cdt.itemsize_bytes, UNSHARD, f"unsharded flat parameter of {h.name}")
             b.host("all_gather launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            b.collective(UNSHARD, f"{b.phase.value}.ag:{h.name}", O.CollectiveKind.ALL_GATHER,
+            b.collective(UNSHARD, f"{self.mb}{b.phase.value}.ag:{h.name}", O.CollectiveKind.ALL_GATHER,
                          h.padded * self.cdt.itemsize_bytes, self.cdt, self.shard_group,
                          deps=self.streams.deps(UNSHARD), buffers=(src, h.full), blocking=True)
             h.unsharded = True
@@ -310,61 +327,6 @@ class FSDP1Lowering(FSDP2Kernels):
         if self.cfg.limit_all_gathers:  # a free event on the default stream joins the queue
             self.queue.append(self.b.last_on_stream.get(COMPUTE))
 
-    # ------------------------------------------------------------ reduction
-    def _reduce(self, h: _Handle, flat: str) -> None:
-        b, c, s = self.b, self.costs, self.streams
-        n, p, k = h.unit.numel, h.padded, h.shard
-        rb = self.rdt.itemsize_bytes
-        label = f"bwd.rs:{h.name}"
-        s.wait_stream(POST_BACKWARD, COMPUTE)
-        src, temps = flat, []
-        if self.rdt is not self.cdt:
-            cast = f"{label}.cast"
-            b.alloc(cast, n * rb, POST_BACKWARD, f"{h.name}'s gradient in {self.rdt.value}")
-            self._side(POST_BACKWARD, f"{label}.to_reduce_dtype", n, n * self.cdt.itemsize_bytes, n * rb, (src, cast))
-            src = cast
-            temps.append(cast)
-        if p > n:  # F.pad to the padded size
-            pad = f"{label}.pad"
-            b.alloc(pad, p * rb, POST_BACKWARD, f"{h.name}'s gradient padded to {p}")
-            self._side(POST_BACKWARD, f"{label}.pad", p, n * rb, p * rb, (src, pad))
-            src = pad
-            temps.append(pad)
-        out = f"sgrad:{h.name}"
-        b.alloc(out, k * rb, POST_BACKWARD, f"{h.name}'s reduced gradient shard")
-        world = self.world
-        pre = predivide_factor(world)
-        post = world / pre
-        if pre > 1:
-            self._side(POST_BACKWARD, f"{label}.predivide", p, p * rb, p * rb, (src,))
-        b.host("reduce_scatter launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-        b.collective(POST_BACKWARD, label, O.CollectiveKind.REDUCE_SCATTER, p * rb, self.rdt, self.shard_group,
-                     reduce_op=O.ReduceOp.SUM, deps=s.deps(POST_BACKWARD), buffers=(src, out), blocking=True)
-        stream = POST_BACKWARD
-        if self.replica_group is not None:  # HSDP: across the replicas, on its own stream
-            s.wait_stream(ALL_REDUCE, POST_BACKWARD)
-            b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
-            b.collective(ALL_REDUCE, f"bwd.ar:{h.name}", O.CollectiveKind.ALL_REDUCE, k * rb, self.rdt,
-                         self.replica_group, reduce_op=O.ReduceOp.SUM, deps=s.deps(ALL_REDUCE), buffers=(out,),
-                         blocking=True)
-            stream = ALL_REDUCE
-        if post > 1:
-            self._side(stream, f"{label}.postdivide", k, k * rb, k * rb, (out,))
-        if self.rdt is not FP32:  # the sharded gradient in the flat parameter's dtype
-            grad = f"sgrad32:{h.name}"
-            b.alloc(grad, k * 4, stream, f"{h.name}'s gradient shard in fp32")
-            self._side(stream, f"{label}.to_fp32", k, k * rb, k * 4, (out, grad))
-            b.free(out, POST_BACKWARD, f"{h.name}'s reduced shard in {self.rdt.value}")
-            out = grad
-        for t in temps:
-            b.free(t, POST_BACKWARD, "reduce-scatter temporary")
-        b.free(flat, COMPUTE, f"flat gradient of {h.name}")
-        h.grad, h.grad_stream = out, stream
-
-    def _side(self, stream: str, label: str, n: int, read: int, written: int, buffers: tuple[str, ...]) -> None:
-        self.b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
-        self.b.compute(stream, label, O.ComputeKind.ELEMENTWISE, n, read, written, deps=self.streams.deps(stream),
-                       buffers=buffers)
 
     # ------------------------------------------------------------ kernels' parameters
     def _params_of(self, m: ModuleSpec) -> tuple[str, ...]:

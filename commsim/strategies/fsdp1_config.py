@@ -16,11 +16,16 @@ fully_sharded_data_parallel.py ``FullyShardedDataParallel.__init__``, api.py):
   back before it issues an all-gather (_runtime_utils.py ``_unshard``);
 * ``backward_prefetch`` ("BACKWARD_PRE"): the next unit's all-gather issued in the
   current unit's pre-backward hook; "BACKWARD_POST" in its post-backward hook; null
-  none.
+  none;
+* ``gradient_accumulation_steps`` (1): forward and backward this many times a step,
+  the optimizer once; ``no_sync`` (false): every micro-step but the last runs inside
+  ``model.no_sync()`` (what Hugging Face Accelerate does under FSDP1 unless told to
+  sync each batch), so the unsharded gradients accumulate and are reduced once;
+  without it each micro-step reduces and the shards accumulate.
 
 Not modelled (refused with the key named): ``forward_prefetch`` true, ``NO_SHARD``,
-CPU offload, gradient accumulation. Activation checkpointing is the scenario's, as
-Hugging Face places it: around each block's call, outside its FSDP unit.
+CPU offload. Activation checkpointing is the scenario's, as Hugging Face places it:
+around each block's call, outside its FSDP unit.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class FSDP1Config:
     mp_reduce_dtype: str | None = None
     limit_all_gathers: bool = True
     backward_prefetch: str | None = "BACKWARD_PRE"
+    gradient_accumulation_steps: int = 1
+    no_sync: bool = False
     source: str = "fsdp_config"  # the file (or "fsdp_config"), named in errors found later
 
     @property
@@ -68,7 +75,7 @@ class FSDP1Config:
         return tuple((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "source")
 
 
-_NOT_MODELLED = {"forward_prefetch": False, "cpu_offload": False, "gradient_accumulation_steps": 1}
+_NOT_MODELLED = {"forward_prefetch": False, "cpu_offload": False}
 
 
 def parse_fsdp1_config(obj: Any, where: str = "fsdp_config") -> FSDP1Config:
@@ -92,9 +99,14 @@ def parse_fsdp1_config(obj: Any, where: str = "fsdp_config") -> FSDP1Config:
             if v is not None and v not in _DTYPES:
                 raise CommsimInputError(f"{where}: {key} {v!r}: allowed: null, {', '.join(_DTYPES)}")
             v = None if v is None else _DTYPES[v]
-        elif key == "limit_all_gathers":
+        elif key in ("limit_all_gathers", "no_sync"):
             if not isinstance(v, bool):
-                raise CommsimInputError(f"{where}: limit_all_gathers {v!r}: true or false")
+                raise CommsimInputError(f"{where}: {key} {v!r}: true or false")
+        elif key == "gradient_accumulation_steps":
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CommsimInputError(f"{where}: gradient_accumulation_steps {v!r}: an integer >= 1")
         elif key == "backward_prefetch":
             if v not in PREFETCH:
                 raise CommsimInputError(f"{where}: backward_prefetch {v!r}: allowed: \"BACKWARD_PRE\", "

@@ -18,6 +18,7 @@ rank's garbage collections (--gc-log, ``runtime.examples.gc_log``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import time
@@ -188,9 +189,14 @@ def train_fsdp1(args: argparse.Namespace) -> None:
     model = FSDP(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
+    gas = fc.gradient_accumulation_steps
     for _ in range(args.steps):
-        ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
-        model(ids, labels=ids).backward()
+        for micro in range(gas):
+            ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
+            # every micro-step but the last inside no_sync() when asked (Accelerate's way)
+            quiet = model.no_sync() if fc.no_sync and micro < gas - 1 else contextlib.nullcontext()
+            with quiet:
+                model(ids, labels=ids).backward()
         opt.step()
         opt.zero_grad()
     dist.barrier()

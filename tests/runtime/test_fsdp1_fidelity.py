@@ -26,6 +26,10 @@ CONFIGS = {
     # sharded inside a "node" of 2 ranks, the reduced shards all-reduced across the 2 nodes;
     # non-reentrant checkpointing leaves the hooks (and the prefetch) as without it
     "hybrid-4-ranks": ({"sharding_strategy": "HYBRID_SHARD"}, 4, ("--checkpoint-style", "non_reentrant")),
+    # 3 micro-steps, the first two inside no_sync(); SHARD_GRAD_OP keeps its gathered
+    # parameters through them, so only the first micro-step gathers and only the last reduces
+    "accumulate-no-sync-shard-grad-op": ({"gradient_accumulation_steps": 3, "no_sync": True,
+                                          "sharding_strategy": "SHARD_GRAD_OP"}, 2, ("--no-checkpointing",)),
 }
 
 

@@ -9,7 +9,8 @@ from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 from commsim.ir.validate import validate
 from commsim.strategies import World, generate_fsdp1
-from commsim.strategies.fsdp1 import FSDP1Lowering, predivide_factor
+from commsim.strategies.fsdp1 import FSDP1Lowering
+from commsim.strategies.fsdp1_reduce import predivide_factor
 from commsim.strategies.fsdp1_config import parse_fsdp1_config
 from commsim.strategies.knobs import HostCosts
 
@@ -112,6 +113,8 @@ def test_every_buffer_is_freed_and_the_schedule_validates():
     ({"mp_param_dtype": "int8"}, "mp_param_dtype 'int8': allowed"),
     ({"backward_prefetch": "EARLY"}, "backward_prefetch 'EARLY': allowed"),
     ({"limit_all_gathers": 1}, "limit_all_gathers 1: true or false"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps 0: an integer >= 1"),
+    ({"no_sync": "yes"}, "no_sync 'yes': true or false"),
 ])
 def test_bad_settings_name_the_key(cfg, message):
     with pytest.raises(CommsimInputError, match=message):
@@ -142,3 +145,57 @@ def test_a_unit_is_prefetched_only_while_its_pre_backward_hook_is_to_come(monkey
     md = describe_model("tiny", 2, 16, 4)
     FSDP1Lowering(md, 2, 2, parse_fsdp1_config({}), HostCosts(), checkpointing=True).program()
     assert calls == [ROOT, L0, L1, ROOT, L1, L1, L0, L0]
+
+
+def mem(s, rank=0):
+    """(alloc|free|kernel, buffer or label, stream) of the ops that hold or add gradients."""
+    out = []
+    for op in s.program_of(rank).step:
+        if isinstance(op, (O.Alloc, O.Free)) and ("fgrad:" in op.buffer or "sgrad" in op.buffer):
+            out.append(("alloc" if isinstance(op, O.Alloc) else "free", op.buffer, op.stream))
+        elif isinstance(op, O.Compute) and "accumulate" in op.label:
+            out.append(("kernel", op.label, op.stream))
+    return out
+
+
+def test_accumulation_reduces_every_micro_step_into_one_kept_shard():
+    got = [e for e in mem(sched({"gradient_accumulation_steps": 2})) if L0 in e[1]]
+    # each micro-step concatenates and reduce-scatters; the second adds its shard into the
+    # first's (_saved_grad_shard +=) and frees it; zero_grad frees the kept one
+    assert got == [
+        ("alloc", f"mb0.fgrad:{L0}", "compute"), ("alloc", f"mb0.sgrad:{L0}", "post_backward"),
+        ("free", f"mb0.fgrad:{L0}", "compute"),
+        ("alloc", f"mb1.fgrad:{L0}", "compute"), ("alloc", f"mb1.sgrad:{L0}", "post_backward"),
+        ("free", f"mb1.fgrad:{L0}", "compute"),
+        ("kernel", f"mb1.bwd.rs:{L0}.accumulate", "post_backward"), ("free", f"mb1.sgrad:{L0}", "post_backward"),
+        ("free", f"mb0.sgrad:{L0}", "post_backward"),
+    ]
+
+
+def test_no_sync_keeps_the_unsharded_gradient_and_reduces_it_once():
+    s = sched({"gradient_accumulation_steps": 3, "no_sync": True})
+    got = [e for e in mem(s) if L0 in e[1]]
+    # the first micro-step's flat gradient stays as .grad; later ones are added into it
+    # (AccumulateGrad) and freed; only the last micro-step reduce-scatters
+    assert got == [
+        ("alloc", f"mb0.fgrad:{L0}", "compute"),
+        ("alloc", f"mb1.fgrad:{L0}", "compute"), ("kernel", f"mb1.bwd.accumulate_grad:{L0}", "compute"),
+        ("free", f"mb1.fgrad:{L0}", "compute"),
+        ("alloc", f"mb2.fgrad:{L0}", "compute"), ("kernel", f"mb2.bwd.accumulate_grad:{L0}", "compute"),
+        ("free", f"mb2.fgrad:{L0}", "compute"),
+        ("alloc", f"mb2.sgrad:{L0}", "post_backward"), ("free", f"mb0.fgrad:{L0}", "compute"),
+        ("free", f"mb2.sgrad:{L0}", "post_backward"),
+    ]
+    assert [op.label for op in s.program_of(0).step if isinstance(op, O.Collective) and "rs" in op.label] == [
+        f"mb2.bwd.rs:{L1}", f"mb2.bwd.rs:{L0}", "mb2.bwd.rs:root"]
+    assert validate(s) == []
+
+
+def test_no_sync_under_shard_grad_op_keeps_the_parameters_gathered_across_micro_steps():
+    s = sched({"gradient_accumulation_steps": 2, "no_sync": True, "sharding_strategy": "SHARD_GRAD_OP"})
+    full = [("alloc" if isinstance(op, O.Alloc) else "free", op.phase.value)
+            for op in s.program_of(0).step if isinstance(op, (O.Alloc, O.Free)) and op.buffer == f"flat:{L0}"]
+    assert full == [("alloc", "fwd"), ("free", "bwd")]  # gathered in the first forward, freed in the last backward
+    assert [op.label for op in s.program_of(0).step if isinstance(op, O.Collective)][:3] == [
+        "mb0.fwd.ag:root", f"mb0.fwd.ag:{L0}", f"mb0.fwd.ag:{L1}"]
+    assert sum(isinstance(op, O.Collective) for op in s.program_of(0).step) == 6  # 3 gathers, 3 reductions
