@@ -34,6 +34,13 @@ FP = _flat_param.py, LU = _limiter_utils.py.
   ``all_reduce``; the post-divide; a cast to fp32 when the reduce dtype is not; the flat
   gradient is freed. The final callback makes the default stream wait for the reduction
   streams (RU:1082-1126);
+* forward prefetch (``forward_prefetch``): the root's pre-forward marks every unit to
+  be unsharded; each unit's pre-forward, after its own wait, unshards the next unit of
+  the first iteration's pre-forward order (RU:411-434, RU:1207-1289). That gather also
+  makes the next unit's views, so in backward autograd, which runs the latest-created
+  ready node first, reaches the unit's flat gradient (its ``cat``, then the
+  post-backward hook) only after the next unit's backward kernels (recorded on gloo; a
+  reentrant recompute makes the views again, in its own pre-forward);
 * activation checkpointing as Hugging Face places it, around each block's call outside
   its unit: reentrant runs the block's forward without grad, so no backward hooks are
   registered; the recompute in backward is a full forward of the unit (unshard, reshard
@@ -98,6 +105,8 @@ class _Handle:
     grad: str | None = None  # the sharded gradient (``_saved_grad_shard``, then ``.grad``)
     grad_stream: str = POST_BACKWARD
     acc: str | None = None  # the unsharded gradient kept under no_sync (the flat parameter's ``.grad``)
+    needs_pre_forward: bool = False  # _needs_pre_forward_unshard (forward_prefetch only)
+    views_early: bool = False  # the views autograd recorded came from a forward prefetch
 
     @property
     def name(self) -> str:
@@ -135,6 +144,8 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
         self.acts = Activations(self.b, md, COMPUTE, checkpointing)
         self.queue: list[O.OpId | None] = [None] * stale  # _FreeEventQueue
         self.post_forward_order: list[_Handle] = []
+        order = {id(h): h for h in [self.root] + [self.by_unit[id(u)] for u, _ in self.layout.segments]}
+        self.pre_forward_order = list(order.values())  # the first iteration's (_exec_order_utils.py:150-170)
         self.mb = ""
         self.sync = True  # this micro-step reduces (not inside no_sync)
         self.param_names: dict[str, tuple[str, ...]] = {}
@@ -167,6 +178,9 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
         self.b.phase = Phase.FORWARD
         root = self.root
         self._hook("root pre-forward")
+        if self.cfg.forward_prefetch:  # _root_pre_forward (RU:580-588)
+            for h in self.handles:
+                h.needs_pre_forward, h.prefetched = True, False
         for s in (UNSHARD, PRE_UNSHARD):  # _root_pre_forward: the side streams wait for the default one
             self.streams.wait_stream(s, COMPUTE)
         self._pre_forward(root, grad=True)
@@ -187,10 +201,17 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
         self.seen_grads = set()
         root = self.root
         self._pre_backward(root)  # fires on the loss's gradient, before the head's kernels
+        # a unit whose views a forward prefetch made (in the pre-forward before its own) has
+        # its AccumulateGrad, so its post-backward, run after the next unit's backward
+        # kernels: the engine runs ready nodes latest-created first (recorded: test_fsdp1_fidelity)
+        pending: _Handle | None = None
         for u, modules in reversed(self.layout.segments):
             h = self.by_unit[id(u)]
             if h is root:
                 self._kernels(h, tuple(reversed(modules)), Phase.BACKWARD)
+                if pending is not None:
+                    self._post_backward(pending)
+                    pending = None
                 continue
             if self.checkpointing and self.style == "reentrant":
                 b.phase = Phase.RECOMPUTE
@@ -207,7 +228,13 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
             else:
                 self._pre_backward(h)
             self._kernels(h, tuple(reversed(modules)), Phase.BACKWARD)
-            self._post_backward(h)
+            if pending is not None:
+                self._post_backward(pending)
+            pending = h if h.views_early else None
+            if pending is None:
+                self._post_backward(h)
+        if pending is not None:
+            self._post_backward(pending)
         self.acts.end_backward()
         self._post_backward(root)
         self._hook("post-backward final callback")
@@ -226,11 +253,18 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
     def _pre_forward(self, h: _Handle, grad: bool) -> None:
         if h is not self.root:
             self._hook(f"pre-forward {h.name}")
+        h.views_early = h.prefetched  # views are made where the gather is issued (FP:1505-1521)
         if not h.prefetched:
             self._unshard(h)
-        h.prefetched = False
+        h.prefetched, h.needs_pre_forward = False, False
         self._wait_for_unshard()
         h.forward_grad = grad
+        if self.cfg.forward_prefetch:  # the next unit of the first iteration's pre-forward order (RU:1280-1289)
+            i = self.pre_forward_order.index(h) + 1
+            target = self.pre_forward_order[i] if i < len(self.pre_forward_order) else None
+            if target is not None and target.needs_pre_forward and not target.prefetched:
+                self._unshard(target)
+                target.prefetched = True
 
     def _post_forward(self, h: _Handle) -> None:
         self._hook(f"post-forward {h.name}")
@@ -341,12 +375,15 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
     def _optimizer(self) -> None:
         b, c = self.b, self.costs
         b.phase = Phase.OPTIMIZER
-        state = tuple(f"shard:{h.name}" for h in self.handles) + ("exp_avg", "exp_avg_sq") + \
-            tuple(h.grad for h in self.handles if h.grad)
+        # model.parameters()' order: the root's flat parameter is the root module's own,
+        # listed before its children's (_unshard_param_utils.py:89-101)
+        params = [self.root] + self.handles[:-1]
+        state = tuple(f"shard:{h.name}" for h in params) + ("exp_avg", "exp_avg_sq") + \
+            tuple(h.grad for h in params if h.grad)
         deps = self.streams.deps(COMPUTE)
-        torch_adamw(b, COMPUTE, "optimizer.adamw", [(h.name, h.shard) for h in self.handles], state, c.launch_ns,
+        torch_adamw(b, COMPUTE, "optimizer.adamw", [(h.name, h.shard) for h in params], state, c.launch_ns,
                     self.foreach, deps=deps)
-        for h in self.handles:  # zero_grad(set_to_none=True)
+        for h in params:  # zero_grad(set_to_none=True), in the same order (optim/optimizer.py:1058-1062)
             if h.grad is not None:
                 b.free(h.grad, h.grad_stream, f"sharded gradient of {h.name}")
                 h.grad = None

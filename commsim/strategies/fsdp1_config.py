@@ -21,10 +21,11 @@ fully_sharded_data_parallel.py ``FullyShardedDataParallel.__init__``, api.py):
   the optimizer once; ``no_sync`` (false): every micro-step but the last runs inside
   ``model.no_sync()`` (what Hugging Face Accelerate does under FSDP1 unless told to
   sync each batch), so the unsharded gradients accumulate and are reduced once;
-  without it each micro-step reduces and the shards accumulate.
+  without it each micro-step reduces and the shards accumulate;
+* ``forward_prefetch`` (false): each unit's pre-forward gathers the next unit of the
+  first iteration's forward order after its own wait.
 
-Not modelled (refused with the key named): ``forward_prefetch`` true, ``NO_SHARD``,
-CPU offload. Activation checkpointing is the scenario's, as Hugging Face places it:
+Not modelled (refused with the key named): ``NO_SHARD``, CPU offload. Activation checkpointing is the scenario's, as Hugging Face places it:
 around each block's call, outside its FSDP unit.
 """
 
@@ -51,6 +52,7 @@ class FSDP1Config:
     backward_prefetch: str | None = "BACKWARD_PRE"
     gradient_accumulation_steps: int = 1
     no_sync: bool = False
+    forward_prefetch: bool = False
     source: str = "fsdp_config"  # the file (or "fsdp_config"), named in errors found later
 
     @property
@@ -75,7 +77,7 @@ class FSDP1Config:
         return tuple((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "source")
 
 
-_NOT_MODELLED = {"forward_prefetch": False, "cpu_offload": False}
+_NOT_MODELLED = {"cpu_offload": False}
 
 
 def parse_fsdp1_config(obj: Any, where: str = "fsdp_config") -> FSDP1Config:
@@ -99,7 +101,7 @@ def parse_fsdp1_config(obj: Any, where: str = "fsdp_config") -> FSDP1Config:
             if v is not None and v not in _DTYPES:
                 raise CommsimInputError(f"{where}: {key} {v!r}: allowed: null, {', '.join(_DTYPES)}")
             v = None if v is None else _DTYPES[v]
-        elif key in ("limit_all_gathers", "no_sync"):
+        elif key in ("limit_all_gathers", "no_sync", "forward_prefetch"):
             if not isinstance(v, bool):
                 raise CommsimInputError(f"{where}: {key} {v!r}: true or false")
         elif key == "gradient_accumulation_steps":

@@ -171,7 +171,7 @@ def train_fsdp1(args: argparse.Namespace) -> None:
     world = dist.get_world_size()
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
     kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy[fc.sharding_strategy],
-              limit_all_gathers=fc.limit_all_gathers, use_orig_params=False,
+              limit_all_gathers=fc.limit_all_gathers, use_orig_params=False, forward_prefetch=fc.forward_prefetch,
               backward_prefetch=BackwardPrefetch[fc.backward_prefetch] if fc.backward_prefetch else None)
     if fc.mp_param_dtype or fc.mp_reduce_dtype:
         kw["mixed_precision"] = MixedPrecision(param_dtype=dtypes[fc.mp_param_dtype],

@@ -30,7 +30,15 @@ CONFIGS = {
     # parameters through them, so only the first micro-step gathers and only the last reduces
     "accumulate-no-sync-shard-grad-op": ({"gradient_accumulation_steps": 3, "no_sync": True,
                                           "sharding_strategy": "SHARD_GRAD_OP"}, 2, ("--no-checkpointing",)),
+    # each pre-forward gathers the next block; a block's reduce-scatter then waits for the
+    # next block's backward (its views were made a pre-forward early); under non-reentrant
+    # checkpointing too. On the 4-block model, where that order shows; step 0 (no order
+    # recorded yet) does not prefetch, so 4 steps give 3 alike
+    "forward-prefetch-non-reentrant": ({"forward_prefetch": True, "mp_param_dtype": "bf16"}, 2,
+                                       ("--checkpoint-style", "non_reentrant")),
 }
+# the model when not tiny, and the steps run (one more where step 0 differs)
+MODEL = {"forward-prefetch-non-reentrant": ("small", 4)}
 
 
 def commsim(*args):
@@ -43,19 +51,20 @@ def test_recorded_fsdp1_matches_generated_schedule(tmp_path, name):
     import torch.distributed.fsdp  # noqa: F401  (requirements-test.txt installs torch: without it this fails)
 
     settings, ranks, ckpt = CONFIGS[name]
+    model, steps = MODEL.get(name, ("tiny", 3))
     cfg = tmp_path / "fsdp1.json"
     cfg.write_text(json.dumps(settings))
     nodes, gpn = (2, 2) if ranks == 4 else (1, ranks)  # HYBRID_SHARD shards inside a node
     sched = tmp_path / "sched.json"
-    out = commsim("schedule", "--strategy", "fsdp1", "--fsdp-config", str(cfg), "--model", "tiny", "--nodes",
+    out = commsim("schedule", "--strategy", "fsdp1", "--fsdp-config", str(cfg), "--model", model, "--nodes",
                   str(nodes), "--gpus-per-node", str(gpn), "--micro-batch", "2", "--seq", "16", *ckpt, "-o", str(sched))
     assert out.returncode == 0, out.stderr
     rec = tmp_path / "rec"
     out = commsim("record", "-o", str(rec), "--", sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc-per-node", str(ranks), "-m", "runtime.examples.fsdp_train", "--fsdp1", "--model", "tiny",
-                  "--micro-batch", "2", "--seq", "16", "--steps", "3", "--fsdp-config", str(cfg), *ckpt)
+                  "--nproc-per-node", str(ranks), "-m", "runtime.examples.fsdp_train", "--fsdp1", "--model", model,
+                  "--micro-batch", "2", "--seq", "16", "--steps", str(steps), "--fsdp-config", str(cfg), *ckpt)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for rank in range(ranks):
         res = commsim("compare", "--collectives", str(rec), str(sched), "--rank", str(rank), "--json")
         report = json.loads(res.stdout)
-        assert report["match"] and report["repeats"] == 3, report
+        assert report["match"] and report["repeats"] == 3, report  # the steady state: the last 3 steps

@@ -109,7 +109,8 @@ def test_every_buffer_is_freed_and_the_schedule_validates():
 @pytest.mark.parametrize("cfg, message", [
     ({"colour": 1}, "colour: unknown"),
     ({"sharding_strategy": "NO_SHARD"}, "sharding_strategy 'NO_SHARD': allowed: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD"),
-    ({"forward_prefetch": True}, "forward_prefetch True: not modelled for FSDP1"),
+    ({"forward_prefetch": 1}, "forward_prefetch 1: true or false"),
+    ({"cpu_offload": True}, "cpu_offload True: not modelled for FSDP1"),
     ({"mp_param_dtype": "int8"}, "mp_param_dtype 'int8': allowed"),
     ({"backward_prefetch": "EARLY"}, "backward_prefetch 'EARLY': allowed"),
     ({"limit_all_gathers": 1}, "limit_all_gathers 1: true or false"),
@@ -199,3 +200,19 @@ def test_no_sync_under_shard_grad_op_keeps_the_parameters_gathered_across_micro_
     assert [op.label for op in s.program_of(0).step if isinstance(op, O.Collective)][:3] == [
         "mb0.fwd.ag:root", f"mb0.fwd.ag:{L0}", f"mb0.fwd.ag:{L1}"]
     assert sum(isinstance(op, O.Collective) for op in s.program_of(0).step) == 6  # 3 gathers, 3 reductions
+
+
+def test_forward_prefetch_gathers_the_next_block_before_this_ones_kernels_and_defers_its_reduction():
+    md = describe_model("small", 2, 16, 4)
+    s = generate_fsdp1(md, World(1, 2), parse_fsdp1_config({"forward_prefetch": True}), checkpointing=False)
+    seq = []
+    for op in s.program_of(0).step:
+        if isinstance(op, O.Collective):
+            seq.append(op.label.replace("roberta.encoder.layer.", "b"))
+        elif isinstance(op, O.Compute) and op.stream == "compute" and not seq[-1].startswith("k"):
+            seq.append("k")  # a run of compute kernels
+    # forward: each pre-forward gathers the next block after its own wait, before its kernels
+    assert seq[:9] == ["fwd.ag:root", "fwd.ag:b0", "k", "fwd.ag:b1", "k", "fwd.ag:b2", "k", "fwd.ag:b3", "k"]
+    # backward: a block's reduce-scatter comes after the next block's kernels
+    assert seq[9:] == ["bwd.ag:b3", "k", "bwd.ag:b2", "k", "bwd.ag:b1", "k", "bwd.rs:b3", "bwd.ag:b0", "k",
+                       "bwd.rs:b2", "k", "bwd.rs:b1", "k", "bwd.rs:b0", "k", "bwd.rs:root", "k"]
