@@ -18,27 +18,27 @@ CONFIGS = {
     # FSDP1's defaults under Hugging Face's reentrant checkpointing, outside each unit:
     # every block gathered for its recompute, freed, gathered again; no backward prefetch
     "defaults-reentrant": ({}, 2, ()),
-    # bf16 all-gathers, fp32 reduce-scatters; the next block prefetched in post-backward
-    "mixed-precision-backward-post": ({"mp_param_dtype": "bf16", "mp_reduce_dtype": "fp32",
-                                       "backward_prefetch": "BACKWARD_POST"}, 2, ("--no-checkpointing",)),
-    # parameters kept from forward to each block's post-backward: no backward all-gather
-    "shard-grad-op": ({"sharding_strategy": "SHARD_GRAD_OP", "backward_prefetch": None}, 2, ("--no-checkpointing",)),
+    # bf16 all-gathers, fp32 reduce-scatters; the next block prefetched in post-backward,
+    # and in each pre-forward (forward_prefetch)
+    "mixed-precision-prefetch-post": ({"mp_param_dtype": "bf16", "mp_reduce_dtype": "fp32",
+                                       "backward_prefetch": "BACKWARD_POST", "forward_prefetch": True}, 2,
+                                      ("--no-checkpointing",)),
     # sharded inside a "node" of 2 ranks, the reduced shards all-reduced across the 2 nodes;
-    # non-reentrant checkpointing leaves the hooks (and the prefetch) as without it
-    "hybrid-4-ranks": ({"sharding_strategy": "HYBRID_SHARD"}, 4, ("--checkpoint-style", "non_reentrant")),
-    # 3 micro-steps, the first two inside no_sync(); SHARD_GRAD_OP keeps its gathered
-    # parameters through them, so only the first micro-step gathers and only the last reduces
-    "accumulate-no-sync-shard-grad-op": ({"gradient_accumulation_steps": 3, "no_sync": True,
-                                          "sharding_strategy": "SHARD_GRAD_OP"}, 2, ("--no-checkpointing",)),
-    # each pre-forward gathers the next block; a block's reduce-scatter then waits for the
-    # next block's backward (its views were made a pre-forward early); under non-reentrant
-    # checkpointing too. On the 4-block model, where that order shows; step 0 (no order
-    # recorded yet) does not prefetch, so 4 steps give 3 alike
-    "forward-prefetch-non-reentrant": ({"forward_prefetch": True, "mp_param_dtype": "bf16"}, 2,
-                                       ("--checkpoint-style", "non_reentrant")),
+    # non-reentrant checkpointing leaves the hooks (and the prefetch) as without it. With
+    # forward_prefetch each pre-forward gathers the next block, and a block's reduction
+    # then waits for the next block's backward (its views were made a pre-forward early)
+    "hybrid-4-ranks-forward-prefetch": ({"sharding_strategy": "HYBRID_SHARD", "forward_prefetch": True}, 4,
+                                        ("--checkpoint-style", "non_reentrant")),
+    # SHARD_GRAD_OP keeps a block's parameters from its forward to its post-backward (no
+    # backward all-gather); 3 micro-steps, the first two inside no_sync(), through which it
+    # keeps them gathered: only the first micro-step gathers and only the last reduces
+    "shard-grad-op-accumulate-no-sync": ({"sharding_strategy": "SHARD_GRAD_OP", "backward_prefetch": None,
+                                          "gradient_accumulation_steps": 3, "no_sync": True}, 2,
+                                         ("--no-checkpointing",)),
 }
-# the model when not tiny, and the steps run (one more where step 0 differs)
-MODEL = {"forward-prefetch-non-reentrant": ("small", 4)}
+# the model when not tiny, and the steps run: forward prefetch on the 4-block model, where
+# its order shows, for 4 steps (step 0 has no recorded order yet and need not match)
+MODEL = {"mixed-precision-prefetch-post": ("small", 4), "hybrid-4-ranks-forward-prefetch": ("small", 4)}
 
 
 def commsim(*args):
@@ -67,4 +67,4 @@ def test_recorded_fsdp1_matches_generated_schedule(tmp_path, name):
     for rank in range(ranks):
         res = commsim("compare", "--collectives", str(rec), str(sched), "--rank", str(rank), "--json")
         report = json.loads(res.stdout)
-        assert report["match"] and report["repeats"] == 3, report  # the steady state: the last 3 steps
+        assert report["match"] and report["repeats"] >= 3, report  # the steady state: the last 3 steps at least
