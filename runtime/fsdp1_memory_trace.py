@@ -10,8 +10,9 @@ runtime/examples/fsdp_train.py ``--fsdp1`` builds it (the catalogue's ``tiny`` m
 ``roberta.encoder.layer[i]`` wrapped, then the root; ``device_id=cpu``,
 ``use_orig_params=False``; Hugging Face's per-layer checkpointing outside the units when
 asked; the root's lazy init run before the first step, so that units and streams are
-named from the start), for ``--steps`` steps of forward, backward, ``AdamW.step``,
-``zero_grad``; rank 0 writes the events of step ``--record-step``, run with the cyclic
+named from the start), for ``--steps`` steps of forward and backward (each micro-step's
+under ``gradient_accumulation_steps``, all but the last inside ``no_sync()`` when
+``no_sync`` is set), ``AdamW.step``, ``zero_grad``; rank 0 writes the events of step ``--record-step``, run with the cyclic
 garbage collector off (torch 2.13 sources: RU = _runtime_utils.py, FP = _flat_param.py,
 LU = _limiter_utils.py under torch/distributed/fsdp/):
 
@@ -25,7 +26,10 @@ LU = _limiter_utils.py under torch/distributed/fsdp/):
   ``weakref.finalize`` on its ``UntypedStorage`` (whose Python object lives exactly as
   long as the storage). A storage is kept only once FSDP's code names it:
   ``fgrad:<unit>`` the flat parameter's ``.grad`` at the entry of ``_post_backward_hook``
-  (RU:701; autograd's ``cat`` of the parameters' gradients made it),
+  (RU:701; autograd's ``cat`` of the parameters' gradients made it) or, when a ``.grad``
+  kept from a no_sync micro-step takes it by AccumulateGrad's add, the gradient a tensor
+  hook on the flat parameter sees arrive; a micro-step's buffers carry the generator's
+  ``mb<i>.`` prefix,
   ``bwd.rs:<unit>.cast`` the ``.grad`` at the entry of ``_reduce_grad`` when RU:764 cast
   it, ``bwd.rs:<unit>.pad`` / ``sgrad:<unit>`` the two tensors
   ``_get_reduce_scatter_tensors`` returns (RU:890-902; the pad only if ``F.pad`` made a
@@ -52,6 +56,7 @@ included) / opt (``AdamW.step`` and ``zero_grad``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import itertools
@@ -76,6 +81,7 @@ class Recorder(TorchDispatchMode):
         self.events: list[dict] = []
         self.enabled = False
         self.step = -1
+        self.mb = ""  # the micro-step's prefix of the generator's buffer names ("mb1." ...)
         self.phase = "init"
         self.stream_names: dict[int, str] = {}
         self.unit_of_handle: dict[int, str] = {}
@@ -239,8 +245,9 @@ def install() -> None:
     @functools.wraps(hook0)
     def post_backward_hook(state, handle, *args, **kwargs):
         r = _rec()
-        if r is not None and handle is not None and handle.flat_param.grad is not None:
-            r.name_storage(handle.flat_param.grad, f"fgrad:{_handle_unit(handle)}")
+        grad = None if handle is None else handle.flat_param.grad
+        if r is not None and grad is not None and r.storage_key(grad) not in r.named:
+            r.name_storage(grad, f"{r.mb}fgrad:{_handle_unit(handle)}")  # (else kept from no_sync micro-steps)
         return in_unit(hook0, 1)(state, handle, *args, **kwargs)
 
     RU._post_backward_hook = post_backward_hook  # partial'ed in each forward (RU:1450)
@@ -253,7 +260,7 @@ def install() -> None:
         if r is not None:
             unit = _handle_unit(handle)
             if r.storage_key(handle.flat_param.grad) not in r.named:  # RU:764 cast it
-                r.name_storage(handle.flat_param.grad, f"bwd.rs:{unit}.cast")
+                r.name_storage(handle.flat_param.grad, f"{r.mb}bwd.rs:{unit}.cast")
         return reduce0(state, handle)
 
     RU._reduce_grad = in_unit(reduce_grad, 1)
@@ -267,8 +274,8 @@ def install() -> None:
         if r is not None:
             unit = r.unit[-1]
             if r.storage_key(padded) != r.storage_key(unsharded_grad):
-                r.name_storage(padded, f"bwd.rs:{unit}.pad")
-            r.name_storage(new, f"sgrad:{unit}")
+                r.name_storage(padded, f"{r.mb}bwd.rs:{unit}.pad")
+            r.name_storage(new, f"{r.mb}sgrad:{unit}")
         return padded, new
 
     RU._get_reduce_scatter_tensors = get_reduce_scatter_tensors
@@ -281,9 +288,17 @@ def install() -> None:
         before = None if r is None else r.storage_key(sharded_grad)
         cast0(state, sharded_grad, param)
         if r is not None and r.storage_key(sharded_grad) != before:
-            r.name_storage(sharded_grad, f"sgrad32:{r.unit[-1]}")
+            r.name_storage(sharded_grad, f"{r.mb}sgrad32:{r.unit[-1]}")
 
     RU._cast_grad_to_param_dtype = cast_grad_to_param_dtype
+
+
+def _name_new_grad(rec: "Recorder", handle, grad: torch.Tensor) -> None:
+    """A tensor hook on a flat parameter: the gradient arriving for it is ``<mb>fgrad:<unit>``
+    when a ``.grad`` kept from a no_sync micro-step is there to take it (the first one,
+    stolen as ``.grad``, is named in the post-backward hook)."""
+    if rec.enabled and handle.flat_param.grad is not None and rec.storage_key(grad) not in rec.named:
+        rec.name_storage(grad, f"{rec.mb}fgrad:{_handle_unit(handle)}")
 
 
 # ---------------------------------------------------------------- the runs
@@ -303,7 +318,7 @@ def build(settings: dict, checkpointing: str | None):
     if fc.sharding_strategy == "HYBRID_SHARD":
         raise ValueError("HYBRID_SHARD needs a device mesh: not recorded here")
     kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy[fc.sharding_strategy],
-              limit_all_gathers=fc.limit_all_gathers, use_orig_params=False,
+              limit_all_gathers=fc.limit_all_gathers, use_orig_params=False, forward_prefetch=fc.forward_prefetch,
               backward_prefetch=BackwardPrefetch[fc.backward_prefetch] if fc.backward_prefetch else None)
     if fc.mp_param_dtype or fc.mp_reduce_dtype:
         kw["mixed_precision"] = MixedPrecision(param_dtype=DTYPES[fc.mp_param_dtype],
@@ -317,21 +332,27 @@ def build(settings: dict, checkpointing: str | None):
     for i in range(len(layers)):
         layers[i] = FSDP(layers[i], **kw)
     model = FSDP(model, **kw)
-    return cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-4), fc
 
 
 def run(settings: dict, checkpointing: str | None, steps: int, record_step: int, micro_batch: int,
         seq: int) -> dict:
     rank = dist.get_rank()
-    cfg, model, opt = build(settings, checkpointing)
+    cfg, model, opt, fc = build(settings, checkpointing)
+    gas = fc.gradient_accumulation_steps
     RU._lazy_init(model, model)  # what the root's first pre-forward does: streams, flat-parameter tensors
     rec = Recorder() if rank == 0 else None
     if rec is not None:
         rec.name_model(model)
     g = torch.Generator().manual_seed(1234 + rank)
     queue_at_start = None
+    if rec is not None:  # the flat gradient autograd brings, before AccumulateGrad adds it to a kept .grad
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        for m in model.modules():
+            if isinstance(m, FSDP) and m._handle is not None:
+                m._handle.flat_param.register_hook(functools.partial(_name_new_grad, rec, m._handle))
     for step in range(steps):
-        ids = torch.randint(0, cfg.vocab, (micro_batch, seq), generator=g)
         if rec is not None:
             rec.step, rec.enabled = step, step == record_step
             if step == record_step:
@@ -341,13 +362,18 @@ def run(settings: dict, checkpointing: str | None, steps: int, record_step: int,
             REC.append(rec)
             rec.__enter__()
         try:
-            if rec is not None:
-                rec.phase = "fwd"
-            loss = model(ids, labels=ids)
-            if rec is not None:
-                rec.phase = "bwd"
-            loss.backward()
-            del loss
+            for micro in range(gas):
+                ids = torch.randint(0, cfg.vocab, (micro_batch, seq), generator=g)
+                if rec is not None:
+                    rec.phase, rec.mb = "fwd", f"mb{micro}." if gas > 1 else ""
+                # every micro-step but the last inside no_sync() when asked
+                quiet = model.no_sync() if fc.no_sync and micro < gas - 1 else contextlib.nullcontext()
+                with quiet:
+                    loss = model(ids, labels=ids)
+                    if rec is not None:
+                        rec.phase = "bwd"
+                    loss.backward()
+                    del loss
             if rec is not None:
                 rec.phase = "opt"
             opt.step()

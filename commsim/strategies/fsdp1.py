@@ -308,20 +308,22 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
         for g in grads:
             b.free(g, COMPUTE, "a parameter's gradient (concatenated)")
         h.ugrads.clear()
+        new = None
         if h.acc is not None:  # AccumulateGrad adds into the .grad kept from no_sync micro-steps
             self._elementwise(f"{mb}bwd.accumulate_grad:{h.name}", u.numel, 2 * u.numel * cb, u.numel * cb,
                               (h.acc, flat))
-            b.free(flat, COMPUTE, f"new flat gradient of {h.name} (accumulated)")
-            flat = h.acc
+            new, flat = flat, h.acc
         # inside no_sync, SHARD_GRAD_OP keeps its parameters gathered (_should_free_in_backward, RU:795-812)
         self._reshard(h, self.sync or self.cfg.reshard_after_forward)
         if self.cfg.backward_prefetch == "BACKWARD_POST":
             self._prefetch(h)
-        if not self.sync:  # no_sync: the unsharded gradient stays in .grad (RU:743-746)
+        if self.sync:
+            h.acc = None
+            self._reduce(h, flat)
+        else:  # no_sync: the unsharded gradient stays in .grad (RU:743-746)
             h.acc = flat
-            return
-        h.acc = None
-        self._reduce(h, flat)
+        if new is not None:  # the engine holds AccumulateGrad's input until its post hook (this one) returns
+            b.free(new, COMPUTE, f"new flat gradient of {h.name} (accumulated)")
 
     # ------------------------------------------------------------ unshard / reshard
     def _unshard(self, h: _Handle) -> None:

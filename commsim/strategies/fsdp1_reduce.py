@@ -82,15 +82,18 @@ class FSDP1Reduction:
             self._side(stream, f"{label}.to_fp32", k, k * rb, k * 4, (out, grad))
             b.free(out, POST_BACKWARD, f"{h.name}'s reduced shard in {self.rdt.value}")
             out = grad
+        accumulate = h.grad is not None
+        if accumulate:  # a later micro-step: _saved_grad_shard += the new shard (_accumulate_sharded_grad)
+            self._side(stream, f"{label}.accumulate", k, 2 * k * 4, k * 4, (h.grad, out))
+        # _reduce_grad's locals go as it returns, in their order (the cast and padded
+        # gradients, then the new shard unless kept); the flat gradient as the hook returns
         for t in temps:
             b.free(t, POST_BACKWARD, "reduce-scatter temporary")
-        b.free(flat, COMPUTE, f"flat gradient of {h.name}")
-        if h.grad is None:
+        if accumulate:
+            b.free(out, stream, f"{h.name}'s new gradient shard (accumulated)")
+        else:
             h.grad, h.grad_stream = out, stream
-            return
-        # a later micro-step: _saved_grad_shard += the new shard (_accumulate_sharded_grad, RU:906-928)
-        self._side(stream, f"{label}.accumulate", k, 2 * k * 4, k * 4, (h.grad, out))
-        b.free(out, stream, f"{h.name}'s new gradient shard (accumulated)")
+        b.free(flat, COMPUTE, f"flat gradient of {h.name}")
 
     def _side(self, stream: str, label: str, n: int, read: int, written: int, buffers: tuple[str, ...]) -> None:
         self.b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
