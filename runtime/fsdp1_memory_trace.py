@@ -35,7 +35,8 @@ LU = _limiter_utils.py under torch/distributed/fsdp/):
   ``_get_reduce_scatter_tensors`` returns (RU:890-902; the pad only if ``F.pad`` made a
   new one), ``sgrad32:<unit>`` the new storage ``_cast_grad_to_param_dtype`` (RU:1030-1056)
   gives the sharded gradient (RU:1048). The sharded gradient dies in ``zero_grad`` (set to
-  None);
+  None). NO_SHARD's: ``bwd.ar:<unit>.cast`` the ``.grad`` at the entry of
+  ``_reduce_grad_no_shard`` when RU:764 cast it, ``grad32:<unit>`` its fp32 cast;
 * ``limiter``: each ``_FreeEventQueue.dequeue_if_needed`` (LU:21-25) that returns an event,
   which RU:297-303 then ``synchronize()``s on the host; the event is named by the
   ``flat:<unit>`` free it was recorded after (``_reshard``, RU:310-330), with that free's
@@ -82,6 +83,7 @@ class Recorder(TorchDispatchMode):
         self.enabled = False
         self.step = -1
         self.mb = ""  # the micro-step's prefix of the generator's buffer names ("mb1." ...)
+        self.no_shard = False  # inside NO_SHARD's reduction (its fp32 cast is grad32:, not sgrad32:)
         self.phase = "init"
         self.stream_names: dict[int, str] = {}
         self.unit_of_handle: dict[int, str] = {}
@@ -265,6 +267,23 @@ def install() -> None:
 
     RU._reduce_grad = in_unit(reduce_grad, 1)
 
+    no_shard0 = RU._reduce_grad_no_shard
+
+    @functools.wraps(no_shard0)
+    def reduce_grad_no_shard(state, handle):
+        r = _rec()
+        if r is None:
+            return no_shard0(state, handle)
+        if r.storage_key(handle.flat_param.grad) not in r.named:  # RU:764 cast it
+            r.name_storage(handle.flat_param.grad, f"{r.mb}bwd.ar:{_handle_unit(handle)}.cast")
+        r.no_shard = True
+        try:
+            return no_shard0(state, handle)
+        finally:
+            r.no_shard = False
+
+    RU._reduce_grad_no_shard = in_unit(reduce_grad_no_shard, 1)
+
     rs0 = RU._get_reduce_scatter_tensors
 
     @functools.wraps(rs0)
@@ -288,7 +307,7 @@ def install() -> None:
         before = None if r is None else r.storage_key(sharded_grad)
         cast0(state, sharded_grad, param)
         if r is not None and r.storage_key(sharded_grad) != before:
-            r.name_storage(sharded_grad, f"{r.mb}sgrad32:{r.unit[-1]}")
+            r.name_storage(sharded_grad, f"{r.mb}{'grad32' if r.no_shard else 'sgrad32'}:{r.unit[-1]}")
 
     RU._cast_grad_to_param_dtype = cast_grad_to_param_dtype
 
@@ -388,9 +407,13 @@ def run(settings: dict, checkpointing: str | None, steps: int, record_step: int,
     if rec is None:
         return {}
     events = sorted((e for e in rec.events if e["step"] == record_step), key=lambda e: e["seq"])
-    units = {rec.unit_of_handle[id(m._handle)]: dict(numel=m._handle.flat_param._unpadded_unsharded_size.numel(),
-                                                      padded=m._handle.flat_param._padded_unsharded_size.numel())
-             for m in model.modules() if getattr(m, "_handle", None) is not None}
+    units = {}
+    for m in model.modules():
+        if getattr(m, "_handle", None) is not None:
+            fp = m._handle.flat_param
+            padded = getattr(fp, "_padded_unsharded_size", fp.size())  # NO_SHARD has none
+            units[rec.unit_of_handle[id(m._handle)]] = dict(numel=fp._unpadded_unsharded_size.numel(),
+                                                            padded=padded.numel())
     return dict(events=events, queue_at_start=queue_at_start, units=units)
 
 

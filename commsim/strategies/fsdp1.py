@@ -48,6 +48,10 @@ FP = _flat_param.py, LU = _limiter_utils.py.
   backward (RU:1272-1279: the target's ``_needs_pre_backward_unshard`` is still False).
   Non-reentrant: the pre-backward hook fires first and the recompute's hooks return at
   once (RU:375-380);
+* NO_SHARD: each flat parameter whole on every rank, nothing gathered or enqueued; with
+  mixed precision a low-precision copy is made on ``pre_unshard`` at every pre-forward
+  and pre-backward and freed at every reshard (FP:1784-1803); each unit's gradient is
+  all-reduced over every rank in place (fsdp1_grads.py) and kept whole as ``.grad``;
 * gradient accumulation: the optimizer runs after the last micro-step. Without
   ``no_sync`` each micro-step reduces; from the second on the new fp32 shard is added
   into the kept one (``_accumulate_sharded_grad``, RU:906-928) and freed. Inside
@@ -77,13 +81,12 @@ from commsim.models.spec import ModelDescription, ModuleSpec
 from commsim.strategies.activations import Activations
 from commsim.strategies.builder import ProgramBuilder
 from commsim.strategies.fsdp1_config import FSDP1Config
-from commsim.strategies.fsdp1_reduce import ALL_REDUCE, COMPUTE, FP32, POST_BACKWARD, FSDP1Reduction
+from commsim.strategies.fsdp1_grads import ALL_REDUCE, COMPUTE, FP32, POST_BACKWARD, FSDP1Gradients
 from commsim.strategies.fsdp2_comm import DTYPES, Streams
 from commsim.strategies.fsdp2_config import FSDP2Config
 from commsim.strategies.fsdp2_kernels import FSDP2Kernels
 from commsim.strategies.fsdp2_layout import FSDP2Layout, Unit
 from commsim.strategies.knobs import HostCosts
-from commsim.strategies.optimizer import torch_adamw
 from commsim.strategies.zero3_trace import CHECKPOINT_STYLES
 
 UNSHARD, PRE_UNSHARD = "unshard", "pre_unshard"
@@ -117,7 +120,7 @@ class _Handle:
         return f"flat:{self.unit.name}"
 
 
-class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
+class FSDP1Lowering(FSDP2Kernels, FSDP1Gradients):
     """One rank's FSDP1 step. ``stale``: free events already in the limiter's queue at
     the step's start (the previous step's, long complete)."""
 
@@ -128,7 +131,8 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
         self.md, self.cfg, self.costs = md, cfg, costs
         self.checkpointing, self.style, self.foreach = checkpointing, checkpoint_style, foreach
         s = cfg.shard_size(world_size, gpus_per_node)
-        self.layout = FSDP2Layout.build(md, world_size, FSDP2Config(hsdp_replicas=world_size // s))
+        self.no_shard = s == 1  # NO_SHARD: the units' groups are the world's, for the all-reduce
+        self.layout = FSDP2Layout.build(md, world_size, FSDP2Config(hsdp_replicas=1 if self.no_shard else world_size // s))
         self.groups_of = lambda r: self.layout.groups_of(r, None)
         g0 = self.groups_of(0)
         self.shard_group, self.replica_group = g0.partition, g0.replica
@@ -138,7 +142,9 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
         self.streams = Streams(self.b)
         self.cdt, self.rdt = DTYPES[cfg.param_dtype], DTYPES[cfg.reduce_dtype]
         self.gdt = self.cdt  # the kernels' gradients: compute dtype
-        self.handles = [_Handle(u, ceil(u.numel / s), ceil(u.numel / s) * s) for u in self.layout.units]
+        # NO_SHARD: every flat parameter whole and unpadded, never gathered
+        self.handles = [_Handle(u, ceil(u.numel / s), ceil(u.numel / s) * s, unsharded=self.no_shard)
+                        for u in self.layout.units]
         self.by_unit = {id(h.unit): h for h in self.handles}
         self.unit_of_param = {p.name: h for h in self.handles for p in h.unit.params}
         self.acts = Activations(self.b, md, COMPUTE, checkpointing)
@@ -319,7 +325,7 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
             self._prefetch(h)
         if self.sync:
             h.acc = None
-            self._reduce(h, flat)
+            (self._reduce_no_shard if self.no_shard else self._reduce)(h, flat)
         else:  # no_sync: the unsharded gradient stays in .grad (RU:743-746)
             h.acc = flat
         if new is not None:  # the engine holds AccumulateGrad's input until its post hook (this one) returns
@@ -329,8 +335,8 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
     def _unshard(self, h: _Handle) -> None:
         b, c = self.b, self.costs
         src = f"shard:{h.name}"
-        mp = self.cdt is not FP32 and not h.unsharded
-        if mp:  # FlatParamHandle.pre_unshard (FP:1307-1340): the low-precision shard, when it gathers
+        mp = self.cdt is not FP32 and (self.no_shard or not h.unsharded)
+        if mp:  # FlatParamHandle.pre_unshard (FP:1307-1340): the low-precision shard, when it gathers (NO_SHARD: always)
             src = f"mp_shard:{h.name}"
             b.alloc(src, h.shard * self.cdt.itemsize_bytes, PRE_UNSHARD, f"{h.name}'s shard in {self.cdt.value}")
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
@@ -349,13 +355,17 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
                          h.padded * self.cdt.itemsize_bytes, self.cdt, self.shard_group,
                          deps=self.streams.deps(UNSHARD), buffers=(src, h.full), blocking=True)
             h.unsharded = True
-        if mp:
+        if mp and not self.no_shard:  # post_unshard; NO_SHARD's goes at its reshard (FP:1784-1803)
             b.free(src, PRE_UNSHARD, f"{h.name}'s low-precision shard")
 
     def _wait_for_unshard(self) -> None:
         self.streams.wait_stream(COMPUTE, UNSHARD)
 
     def _reshard(self, h: _Handle, free: bool) -> None:
+        if self.no_shard:  # nothing to free but the low-precision copy (post_reshard, FP:1784-1803)
+            if self.cdt is not FP32:
+                self.b.free(f"mp_shard:{h.name}", PRE_UNSHARD, f"{h.name}'s low-precision copy")
+            return
         if not free or not h.unsharded:
             return
         self.b.free(h.full, UNSHARD, f"unsharded flat parameter of {h.name}")
@@ -369,23 +379,13 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Reduction):
         """A module's parameters are views into its unit's unsharded flat parameter."""
         names = self.param_names.get(m.path)
         if names is None:
-            names = self.param_names[m.path] = tuple(dict.fromkeys(self.unit_of_param[p.name].full
+            names = self.param_names[m.path] = tuple(dict.fromkeys(self._full(self.unit_of_param[p.name])
                                                                    for p in m.params))
         return names
 
-    # ------------------------------------------------------------ optimizer
-    def _optimizer(self) -> None:
-        b, c = self.b, self.costs
-        b.phase = Phase.OPTIMIZER
-        # model.parameters()' order: the root's flat parameter is the root module's own,
-        # listed before its children's (_unshard_param_utils.py:89-101)
-        params = [self.root] + self.handles[:-1]
-        state = tuple(f"shard:{h.name}" for h in params) + ("exp_avg", "exp_avg_sq") + \
-            tuple(h.grad for h in params if h.grad)
-        deps = self.streams.deps(COMPUTE)
-        torch_adamw(b, COMPUTE, "optimizer.adamw", [(h.name, h.shard) for h in params], state, c.launch_ns,
-                    self.foreach, deps=deps)
-        for h in params:  # zero_grad(set_to_none=True), in the same order (optim/optimizer.py:1058-1062)
-            if h.grad is not None:
-                b.free(h.grad, h.grad_stream, f"sharded gradient of {h.name}")
-                h.grad = None
+    def _full(self, h: _Handle) -> str:
+        """The buffer a unit's kernels read: its gathered flat parameter; under NO_SHARD the
+        flat parameter itself, or its low-precision copy."""
+        if not self.no_shard:
+            return h.full
+        return f"mp_shard:{h.name}" if self.cdt is not FP32 else f"shard:{h.name}"

@@ -9,7 +9,9 @@ fully_sharded_data_parallel.py ``FullyShardedDataParallel.__init__``, api.py):
 * ``sharding_strategy`` ("FULL_SHARD"): ``FULL_SHARD`` frees the blocks' gathered
   parameters after forward and gathers them again in backward; ``SHARD_GRAD_OP`` keeps
   them until the block's post-backward; ``HYBRID_SHARD`` is ``FULL_SHARD`` inside a node
-  with the reduced shards all-reduced across the nodes;
+  with the reduced shards all-reduced across the nodes; ``NO_SHARD`` keeps every
+  parameter on every rank and all-reduces each unit's gradient (DDP's work, FSDP's
+  hooks);
 * ``mp_param_dtype`` / ``mp_reduce_dtype`` (null): ``MixedPrecision``'s ``param_dtype``
   (compute and all-gather dtype) and ``reduce_dtype`` (null: the param dtype);
 * ``limit_all_gathers`` (true): the rate limiter, the host waiting for a free two
@@ -25,7 +27,8 @@ fully_sharded_data_parallel.py ``FullyShardedDataParallel.__init__``, api.py):
 * ``forward_prefetch`` (false): each unit's pre-forward gathers the next unit of the
   first iteration's forward order after its own wait.
 
-Not modelled (refused with the key named): ``NO_SHARD``, CPU offload. Activation checkpointing is the scenario's, as Hugging Face places it:
+Not modelled (refused with the key named): CPU offload; gradient accumulation under
+``NO_SHARD``. Activation checkpointing is the scenario's, as Hugging Face places it:
 around each block's call, outside its FSDP unit.
 """
 
@@ -39,7 +42,7 @@ from commsim.ir.errors import CommsimInputError
 from commsim.strategies.fsdp2_config import _DTYPES
 from commsim.util.files import read_json
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", None)
 
 
@@ -67,11 +70,12 @@ class FSDP1Config:
     @property
     def reshard_after_forward(self) -> bool:
         """RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES (_init_utils.py)."""
-        return self.sharding_strategy != "SHARD_GRAD_OP"
+        return self.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
 
     def shard_size(self, world: int, gpus_per_node: int) -> int:
-        """HYBRID_SHARD shards inside a node (_init_utils.py ``_init_intra_and_inter_node_groups``)."""
-        return gpus_per_node if self.sharding_strategy == "HYBRID_SHARD" else world
+        """HYBRID_SHARD shards inside a node (_init_utils.py ``_init_intra_and_inter_node_groups``);
+        NO_SHARD keeps every parameter on every rank."""
+        return {"HYBRID_SHARD": gpus_per_node, "NO_SHARD": 1}.get(self.sharding_strategy, world)
 
     def as_pairs(self) -> tuple[tuple[str, Any], ...]:
         return tuple((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "source")
@@ -114,7 +118,11 @@ def parse_fsdp1_config(obj: Any, where: str = "fsdp_config") -> FSDP1Config:
                 raise CommsimInputError(f"{where}: backward_prefetch {v!r}: allowed: \"BACKWARD_PRE\", "
                                         "\"BACKWARD_POST\", null")
         values[key] = v
-    return FSDP1Config(**values, source=where)
+    cfg = FSDP1Config(**values, source=where)
+    if cfg.sharding_strategy == "NO_SHARD" and cfg.gradient_accumulation_steps > 1:
+        raise CommsimInputError(f"{where}: gradient_accumulation_steps {cfg.gradient_accumulation_steps} with "
+                                "sharding_strategy NO_SHARD: not modelled (only 1)")
+    return cfg
 
 
 def load_fsdp1_config(path: str | Path) -> FSDP1Config:

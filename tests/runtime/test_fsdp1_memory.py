@@ -84,8 +84,14 @@ CONFIGS = {
     # the later ones added into it and freed, reduced once; with forward prefetch
     "accumulate-no-sync-forward-prefetch": ({"gradient_accumulation_steps": 3, "no_sync": True,
                                              "forward_prefetch": True}, None),
+    # every parameter on every rank: a bf16 copy made at each pre-forward and pre-backward
+    # and freed at each reshard; the bf16 gradient all-reduced, then cast to fp32 as .grad
+    "no-shard-mixed-precision": ({"sharding_strategy": "NO_SHARD", "mp_param_dtype": "bf16"}, None),
+    # and with an fp32 reduction: the gradient cast first, then all-reduced as .grad
+    "no-shard-fp32-reduce": ({"sharding_strategy": "NO_SHARD", "mp_param_dtype": "bf16",
+                              "mp_reduce_dtype": "fp32"}, None),
 }
-KEEP = ("flat:", "mp_shard:", "fgrad:", "bwd.rs:", "sgrad:", "sgrad32:")
+KEEP = ("flat:", "mp_shard:", "fgrad:", "bwd.rs:", "sgrad:", "sgrad32:", "bwd.ar:", "grad32:")
 DROP = ("ugrad:", "act:", "agrad:", "atmp:", "ckpt:", "optimizer.adamw")
 PHASE = {O.Phase.FORWARD: "fwd", O.Phase.BACKWARD: "bwd", O.Phase.RECOMPUTE: "bwd", O.Phase.OPTIMIZER: "opt"}
 
@@ -202,7 +208,7 @@ def test_the_recording_sees_what_it_should(recorded):
         assert {u: v["numel"] for u, v in run["units"].items()} == {
             "root": 77800, "roberta.encoder.layer.0": 49984, "roberta.encoder.layer.1": 49984}, name
         assert not [e for e in run["events"] if "?" in e["buffer"] or e["stream"].startswith("stream@")], name
-        assert [e["buffer"].split(":")[1] for e in run["events"] if e["phase"] == "opt"] == [
+        assert [e["buffer"].split(":")[1].removesuffix(".cast") for e in run["events"] if e["phase"] == "opt"] == [
             "root", "roberta.encoder.layer.0", "roberta.encoder.layer.1"], name
     kinds = [(e["kind"], e["buffer"].split(":")[0]) for e in recorded["defaults"]["events"]]
     assert kinds.count(("alloc", "flat")) == kinds.count(("free", "flat")) == 5

@@ -10,7 +10,7 @@ from commsim.ir.errors import CommsimInputError
 from commsim.ir.validate import validate
 from commsim.strategies import World, generate_fsdp1
 from commsim.strategies.fsdp1 import FSDP1Lowering
-from commsim.strategies.fsdp1_reduce import predivide_factor
+from commsim.strategies.fsdp1_grads import predivide_factor
 from commsim.strategies.fsdp1_config import parse_fsdp1_config
 from commsim.strategies.knobs import HostCosts
 
@@ -108,7 +108,10 @@ def test_every_buffer_is_freed_and_the_schedule_validates():
 
 @pytest.mark.parametrize("cfg, message", [
     ({"colour": 1}, "colour: unknown"),
-    ({"sharding_strategy": "NO_SHARD"}, "sharding_strategy 'NO_SHARD': allowed: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD"),
+    ({"sharding_strategy": "ZERO3"},
+     "sharding_strategy 'ZERO3': allowed: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD"),
+    ({"sharding_strategy": "NO_SHARD", "gradient_accumulation_steps": 2},
+     "gradient_accumulation_steps 2 with sharding_strategy NO_SHARD: not modelled"),
     ({"forward_prefetch": 1}, "forward_prefetch 1: true or false"),
     ({"cpu_offload": True}, "cpu_offload True: not modelled for FSDP1"),
     ({"mp_param_dtype": "int8"}, "mp_param_dtype 'int8': allowed"),
@@ -218,3 +221,24 @@ def test_forward_prefetch_gathers_the_next_block_before_this_ones_kernels_and_de
     # backward: a block's reduce-scatter comes after the next block's kernels
     assert seq[9:] == ["bwd.ag:b3", "k", "bwd.ag:b2", "k", "bwd.ag:b1", "k", "bwd.rs:b3", "bwd.ag:b0", "k",
                        "bwd.rs:b2", "k", "bwd.rs:b1", "k", "bwd.rs:b0", "k", "bwd.rs:root", "k"]
+
+
+def test_no_shard_all_reduces_each_units_whole_gradient_and_keeps_it_as_grad():
+    s = sched({"sharding_strategy": "NO_SHARD", "mp_param_dtype": "bf16"}, gpn=4, dt=2)
+    step = s.program_of(0).step
+    # nothing gathered; each unit's bf16 gradient all-reduced over every rank, last block first
+    assert colls(s) == [("bwd", "all_reduce", L1, 49984 * 2, "bf16", (0, 1, 2, 3), "post_backward"),
+                        ("bwd", "all_reduce", L0, 49984 * 2, "bf16", (0, 1, 2, 3), "post_backward"),
+                        ("bwd", "all_reduce", ROOT, 77800 * 2, "bf16", (0, 1, 2, 3), "post_backward")]
+    # a bf16 copy of the whole unit made at each pre-forward and pre-backward, freed at each
+    # reshard; the fp32 cast of the reduced gradient is .grad until zero_grad
+    mem = [(type(op).__name__, op.buffer, op.phase.value) for op in step
+           if isinstance(op, (O.Alloc, O.Free)) and op.buffer.endswith(f":{L0}")]
+    assert mem == [("Alloc", f"mp_shard:{L0}", "fwd"), ("Free", f"mp_shard:{L0}", "fwd"),
+                   ("Alloc", f"mp_shard:{L0}", "bwd"), ("Alloc", f"fgrad:{L0}", "bwd"),
+                   ("Free", f"mp_shard:{L0}", "bwd"), ("Alloc", f"grad32:{L0}", "bwd"),
+                   ("Free", f"fgrad:{L0}", "bwd"), ("Free", f"grad32:{L0}", "optimizer")]
+    # the block's kernels read that copy (its parameters are views into it)
+    reads = {b for op in step if isinstance(op, O.Compute) and op.label.startswith(f"{L0}.") for b in op.buffers}
+    assert f"mp_shard:{L0}" in reads and f"shard:{L0}" not in reads and f"flat:{L0}" not in reads
+    assert validate(s) == []

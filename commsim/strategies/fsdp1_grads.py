@@ -1,14 +1,16 @@
-"""FSDP1's gradient reduction in a unit's post-backward hook (torch 2.13's ``_reduce_grad``),
-lowered to IR: the mixin ``FSDP1Lowering`` (fsdp1.py) reduces each unit's flat gradient with.
+"""FSDP1's gradients after a unit's backward, lowered to IR: the mixin ``FSDP1Lowering``
+(fsdp1.py) reduces each unit's flat gradient with, and the optimizer step over them.
 
-On ``post_backward``, after it waits for the default stream: the gradient cast to the
-reduce dtype when it differs, padded to the padded size P when P > N (``F.pad``),
-divided by the pre-divide factor, reduce-scattered into a new shard; HSDP then
-all-reduces the shard across the replicas on ``all_reduce`` (_runtime_utils.py
-RU:830-886); the post-divide; the cast to fp32 (``_cast_grad_to_param_dtype``); and,
-from a later micro-step on, the add into the shard kept from the earlier ones
+On ``post_backward``, after it waits for the default stream (torch 2.13's ``_reduce_grad``,
+_runtime_utils.py RU:830-886): the gradient cast to the reduce dtype when it differs,
+padded to the padded size P when P > N (``F.pad``), divided by the pre-divide factor,
+reduce-scattered into a new shard; HSDP then all-reduces the shard across the replicas
+on ``all_reduce``; the post-divide; the cast to fp32 (``_cast_grad_to_param_dtype``);
+and, from a later micro-step on, the add into the shard kept from the earlier ones
 (``_accumulate_sharded_grad``, RU:906-928). The temporaries and the flat gradient are
-freed as their last references go.
+freed as their last references go. NO_SHARD all-reduces the whole gradient instead
+(``_reduce_grad_no_shard``). Then torch's AdamW over the flat parameters in
+``model.parameters()``' order, and ``zero_grad`` dropping the gradients in that order.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from commsim.ir import ops as O
+from commsim.ir.ops import Phase
+from commsim.strategies.optimizer import torch_adamw
 
 if TYPE_CHECKING:
     from commsim.strategies.fsdp1 import _Handle
@@ -34,8 +38,8 @@ def predivide_factor(world: int) -> int:
     return f
 
 
-class FSDP1Reduction:
-    """The reduction half of ``FSDP1Lowering``; the attributes it reads are that class's."""
+class FSDP1Gradients:
+    """The gradient half of ``FSDP1Lowering``; the attributes it reads are that class's."""
 
     def _reduce(self, h: _Handle, flat: str) -> None:
         b, c, s = self.b, self.costs, self.streams
@@ -95,7 +99,58 @@ class FSDP1Reduction:
             h.grad, h.grad_stream = out, stream
         b.free(flat, COMPUTE, f"flat gradient of {h.name}")
 
+    def _reduce_no_shard(self, h: _Handle, flat: str) -> None:
+        """NO_SHARD (``_reduce_grad_no_shard``, RU:931-949): the flat gradient, cast to the
+        reduce dtype when it differs, pre-divided, all-reduced in place over every rank,
+        post-divided, cast to fp32 when it is not; that is the unsharded ``.grad`` the
+        optimizer reads. Autograd's own gradient goes as the hook returns, unless it is it."""
+        b, c, s = self.b, self.costs, self.streams
+        n, rb = h.unit.numel, self.rdt.itemsize_bytes
+        label = f"{self.mb}bwd.ar:{h.name}"
+        s.wait_stream(POST_BACKWARD, COMPUTE)
+        grad, stream = flat, COMPUTE
+        if self.rdt is not self.cdt:  # .grad.data = .grad.to(reduce_dtype) (RU:756-764)
+            grad, stream = f"{label}.cast", POST_BACKWARD
+            b.alloc(grad, n * rb, POST_BACKWARD, f"{h.name}'s gradient in {self.rdt.value}")
+            self._side(POST_BACKWARD, f"{label}.to_reduce_dtype", n, n * self.cdt.itemsize_bytes, n * rb,
+                       (flat, grad))
+        pre = predivide_factor(self.world)
+        if pre > 1:
+            self._side(POST_BACKWARD, f"{label}.predivide", n, n * rb, n * rb, (grad,))
+        b.host("all_reduce launch", O.HostKind.LAUNCH, c.collective_launch_ns)
+        b.collective(POST_BACKWARD, label, O.CollectiveKind.ALL_REDUCE, n * rb, self.rdt, self.shard_group,
+                     reduce_op=O.ReduceOp.SUM, deps=s.deps(POST_BACKWARD), buffers=(grad,), blocking=True)
+        if self.world / pre > 1:
+            self._side(POST_BACKWARD, f"{label}.postdivide", n, n * rb, n * rb, (grad,))
+        if self.rdt is not FP32:  # _cast_grad_to_param_dtype (RU:1030-1056)
+            grad32 = f"{self.mb}grad32:{h.name}"
+            b.alloc(grad32, n * 4, POST_BACKWARD, f"{h.name}'s gradient in fp32")
+            self._side(POST_BACKWARD, f"{label}.to_fp32", n, n * rb, n * 4, (grad, grad32))
+            if grad != flat:
+                b.free(grad, POST_BACKWARD, f"{h.name}'s gradient in {self.rdt.value}")
+            grad, stream = grad32, POST_BACKWARD
+        if grad != flat:
+            b.free(flat, COMPUTE, f"flat gradient of {h.name}")
+        h.grad, h.grad_stream = grad, stream
+
     def _side(self, stream: str, label: str, n: int, read: int, written: int, buffers: tuple[str, ...]) -> None:
         self.b.host("launch", O.HostKind.LAUNCH, self.costs.launch_ns)
         self.b.compute(stream, label, O.ComputeKind.ELEMENTWISE, n, read, written, deps=self.streams.deps(stream),
                        buffers=buffers)
+
+    # ------------------------------------------------------------ optimizer
+    def _optimizer(self) -> None:
+        b, c = self.b, self.costs
+        b.phase = Phase.OPTIMIZER
+        # model.parameters()' order: the root's flat parameter is the root module's own,
+        # listed before its children's (_unshard_param_utils.py:89-101)
+        params = [self.root] + self.handles[:-1]
+        state = tuple(f"shard:{h.name}" for h in params) + ("exp_avg", "exp_avg_sq") + \
+            tuple(h.grad for h in params if h.grad)
+        deps = self.streams.deps(COMPUTE)
+        torch_adamw(b, COMPUTE, "optimizer.adamw", [(h.name, h.shard) for h in params], state, c.launch_ns,
+                    self.foreach, deps=deps)
+        for h in params:  # zero_grad(set_to_none=True), in the same order (optim/optimizer.py:1058-1062)
+            if h.grad is not None:
+                b.free(h.grad, h.grad_stream, f"sharded gradient of {h.name}")
+                h.grad = None
