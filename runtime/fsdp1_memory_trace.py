@@ -62,6 +62,7 @@ import functools
 import gc
 import itertools
 import json
+import time
 import weakref
 
 import torch
@@ -321,6 +322,7 @@ def _name_new_grad(rec: "Recorder", handle, grad: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------- the runs
+SETTLE_S = 0.05  # a few OS time slices on a loaded 2-core machine
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
 
 
@@ -393,6 +395,10 @@ def run(settings: dict, checkpointing: str | None, steps: int, record_step: int,
                         rec.phase = "bwd"
                     loss.backward()
                     del loss
+            # gloo's worker thread holds each finished collective's tensors until it drops the
+            # work, a moment after the caller's wait returns: let it, so that a gradient an
+            # all-reduce or reduce-scatter wrote is freed where FSDP drops it, not later
+            time.sleep(SETTLE_S)
             if rec is not None:
                 rec.phase = "opt"
             opt.step()
