@@ -1,4 +1,4 @@
-"""Tuning advisor: the DeepSpeed (or FSDP2) config with the highest predicted throughput that fits.
+"""Tuning advisor: the DeepSpeed (or FSDP2, FSDP1) config with the highest predicted throughput that fits.
 
 Coordinate descent over DeepSpeed's own keys, each prediction a full simulation:
 starting from the user's config (DeepSpeed's defaults where it is silent), every
@@ -17,7 +17,11 @@ With ``strategy="fsdp2"`` the dimensions are FSDP2's (``FSDP2_DIMENSIONS``, keys
 commsim.strategies.fsdp2_config): ``reshard_after_forward`` (true, false, and
 resharding to one node's GPUs when the shard group spans nodes), explicit forward and
 backward prefetch depth, HSDP (sharding inside each node, replicating across nodes),
-the micro-batch and checkpointing; the result is an FSDP2 config.
+the micro-batch and checkpointing; the result is an FSDP2 config. With
+``strategy="fsdp1"`` they are FSDP1's (``FSDP1_DIMENSIONS``, keys of
+commsim.strategies.fsdp1_config): the sharding strategy (HYBRID_SHARD only across
+several nodes), the rate limiter, backward and forward prefetch, the micro-batch and
+checkpointing; the result is an FSDP1 config.
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ FSDP2_DIMENSIONS: dict[str, tuple[Any, ...] | None] = {
     "micro_batch": None,  # half, same, double the starting micro-batch
     "checkpointing": (True, False),
 }
+FSDP1_DIMENSIONS: dict[str, tuple[Any, ...] | None] = {
+    "sharding_strategy": None,  # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD; HYBRID_SHARD across several nodes
+    "limit_all_gathers": (True, False),
+    "backward_prefetch": ("BACKWARD_PRE", "BACKWARD_POST", None),
+    "forward_prefetch": (False, True),
+    "micro_batch": None,  # half, same, double the starting micro-batch
+    "checkpointing": (True, False),
+}
 STAGE3_ONLY = {"stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                "stage3_param_persistence_threshold", "zero_hpz_partition_size"}
 _TOP = {"train_micro_batch_size_per_gpu"}
@@ -80,7 +92,7 @@ class Evaluation:
 class TuneResult:
     base: Evaluation
     best: Evaluation
-    config: dict[str, Any]  # the winning DeepSpeed (or FSDP2) config, as written
+    config: dict[str, Any]  # the winning DeepSpeed (or FSDP) config, as written
     steps: list[tuple[str, Any, Any, Evaluation, Evaluation]] = field(default_factory=list)  # dim, old, new, before, after
     evaluations: int = 0
     rounds: int = 0
@@ -99,7 +111,7 @@ class TuneResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            ("fsdp_config" if self.strategy == "fsdp2" else "ds_config"): self.config,
+            ("ds_config" if self.strategy == "deepspeed" else "fsdp_config"): self.config,
             "checkpointing": self.best.settings["checkpointing"],
             "base": _summary(self.base), "best": _summary(self.best), "speedup": self.speedup,
             "changes": [{"key": d, "from": a, "to": b, "tokens_per_s_before": x.tokens_per_s,
@@ -242,6 +254,43 @@ def _fsdp2_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Spa
     return _Space(start, dims, candidates, scenario, config)
 
 
+def _fsdp1_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Space:
+    from commsim.strategies.fsdp1_config import parse_fsdp1_config
+    from commsim.sweep import base_fsdp_config
+
+    cfg_obj = base_fsdp_config(base)
+    cfg = parse_fsdp1_config(cfg_obj, str(base.fsdp_config) if isinstance(base.fsdp_config, str) else "fsdp_config")
+    start = {"sharding_strategy": cfg.sharding_strategy, "limit_all_gathers": cfg.limit_all_gathers,
+             "backward_prefetch": cfg.backward_prefetch, "forward_prefetch": cfg.forward_prefetch,
+             "micro_batch": base.micro_batch or 16, "checkpointing": base.checkpointing}
+    dims = dimensions or list(FSDP1_DIMENSIONS)
+    for d in dims:
+        if d not in FSDP1_DIMENSIONS:
+            raise CommsimInputError(f"--search {d}: allowed with --strategy fsdp1: {', '.join(FSDP1_DIMENSIONS)}")
+
+    def candidates(d: str, cur: dict[str, Any]) -> list[Any]:
+        if d == "sharding_strategy":
+            out = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] + (["HYBRID_SHARD"] if base.nodes > 1 and gpn > 1 else [])
+            if cfg.gradient_accumulation_steps > 1:  # NO_SHARD does not accumulate here
+                out.remove("NO_SHARD")
+            return out if cur[d] in out else out + [cur[d]]
+        if d == "micro_batch":
+            return sorted({max(1, cur[d] // 2), cur[d], cur[d] * 2})
+        values = list(FSDP1_DIMENSIONS[d] or ())
+        return values if cur[d] in values else values + [cur[d]]
+
+    def config(st: dict[str, Any]) -> dict[str, Any]:
+        out = dict(cfg_obj)
+        out.update({k: v for k, v in st.items() if k not in ("micro_batch", "checkpointing")})
+        return out
+
+    def scenario(st: dict[str, Any]) -> Scenario:
+        return base.with_(fsdp_config=config(st), micro_batch=st["micro_batch"],
+                          checkpointing=bool(st["checkpointing"]))
+
+    return _Space(start, dims, candidates, scenario, config)
+
+
 def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max_rounds: int = 3,
          progress: Callable[[str], None] | None = None) -> TuneResult:
     """Search ``dimensions`` (default: all that apply) from ``base``; see the module doc."""
@@ -249,7 +298,7 @@ def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max
 
     cluster = cluster_preset(base.cluster, base.nodes, base.net, base.gpus_per_node, base.nccl_stack)
     gpn = cluster.node.gpus_per_node
-    space = (_fsdp2_space if base.strategy == "fsdp2" else _deepspeed_space)(base, dimensions, gpn)
+    space = {"fsdp2": _fsdp2_space, "fsdp1": _fsdp1_space}.get(base.strategy, _deepspeed_space)(base, dimensions, gpn)
     cache: dict[str, Evaluation] = {}
     ctx = mp.get_context("spawn")
     with ctx.Pool(max(1, jobs)) as pool:
@@ -327,12 +376,12 @@ def explain(r: TuneResult) -> str:
         if not x.fits:
             why = f"the previous setting ran out of memory ({x.row.get('oom')})"
         lines.append(f"  {d}: {_fmt(old)} -> {_fmt(new)}: {gain:+.1%} tokens/s ({why})")
-    framework = "an FSDP2 setting" if r.strategy == "fsdp2" else "a DeepSpeed key"
+    framework = {"fsdp2": "an FSDP2 setting", "fsdp1": "an FSDP1 setting"}.get(r.strategy, "a DeepSpeed key")
     if w.settings["checkpointing"] != b.settings["checkpointing"]:
         lines.append("  note: activation checkpointing is a model setting (e.g. Hugging Face's "
                      f"gradient_checkpointing_{'enable' if w.settings['checkpointing'] else 'disable'}()), not "
                      f"{framework}; the config does not carry it")
-    micro = "micro_batch" if r.strategy == "fsdp2" else "train_micro_batch_size_per_gpu"
+    micro = "train_micro_batch_size_per_gpu" if r.strategy == "deepspeed" else "micro_batch"
     if w.settings[micro] != b.settings[micro]:
         lines.append("  note: a different micro-batch changes the global batch; adjust the learning rate "
                      "or gradient_accumulation_steps if the global batch must stay")

@@ -12,6 +12,7 @@ import pytest
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
 from commsim.ir.serialize import save_schedule
+from commsim.strategies.fsdp1_config import parse_fsdp1_config
 
 
 def run(*args, cwd=None):
@@ -526,13 +527,20 @@ def test_host_gc_stops_every_rank_for_each_ranks_pass():
                                                "30:200:independent"]
 
 
-def test_predict_lowers_fsdp1_and_tune_refuses_it():
+def test_predict_lowers_fsdp1_and_tune_searches_fsdp1_settings(tmp_path):
     args = ("--strategy", "fsdp1", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--seq", "64")
     out = predict_json(*args)
     assert out["scenario"]["strategy"] == "fsdp1" and out["step_time_s"] > 0
     assert "commsim predict: tiny, FSDP1, micro-batch 16 x 64, bf16" in run("predict", *args).stdout
-    tuned = run("tune", *args)
-    assert tuned.returncode == 2 and tuned.stdout == ""
-    assert tuned.stderr.strip().splitlines() == [
-        "commsim: error: --strategy fsdp1: tune searches DeepSpeed's or FSDP2's settings; FSDP1's are not searched "
-        "(sweep them: --grid fsdp.KEY=...)"]
+    cfg = tmp_path / "fsdp1.tuned.json"
+    tuned = run("tune", *args, "--search", "sharding_strategy,forward_prefetch", "--rounds", "1", "--quiet", "--json",
+                "-o", str(cfg))
+    assert tuned.returncode == 0, tuned.stderr
+    report = json.loads(tuned.stdout)
+    # FULL_SHARD, SHARD_GRAD_OP, NO_SHARD (one node: no HYBRID_SHARD), then forward prefetch off / on
+    assert report["evaluations"] == 4 and json.loads(cfg.read_text()) == report["fsdp_config"]
+    assert parse_fsdp1_config(report["fsdp_config"]).sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    bad = run("tune", *args, "--search", "hsdp_replicas")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "commsim: error: --search hsdp_replicas: allowed with --strategy fsdp1: sharding_strategy, limit_all_gathers, "
+        "backward_prefetch, forward_prefetch, micro_batch, checkpointing"]

@@ -60,11 +60,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from commsim.tune import tune
     from commsim.util.files import atomic_write_text
 
-    if args.strategy == "fsdp1":
-        raise CommsimInputError("--strategy fsdp1: tune searches DeepSpeed's or FSDP2's settings; FSDP1's are not "
-                                "searched (sweep them: --grid fsdp.KEY=...)")
     if args.output is None:
-        args.output = "fsdp_config.tuned.json" if args.strategy == "fsdp2" else "ds_config.tuned.json"
+        args.output = "ds_config.tuned.json" if args.strategy == "deepspeed" else "fsdp_config.tuned.json"
     check_outputs(("-o", args.output))
     warn_what_ifs(args.cluster, args.gpus_per_node)
     dims = [d for d in (args.search or "").split(",") if d] or None
@@ -124,7 +121,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_hardware_flags(p)
     p.add_argument("--grid", action="append", metavar="NAME=V1,V2",
                    help="an axis: a predict setting (stage, net, nodes, model, preset, micro_batch, strategy, ...), "
-                   "knob.NAME, ds.KEY or, with --strategy fsdp2, fsdp.KEY (an --fsdp-config key) (repeatable)")
+                   "knob.NAME, ds.KEY or, with --strategy fsdp2 / fsdp1, fsdp.KEY (an --fsdp-config key) "
+                   "(repeatable)")
     p.add_argument("--jobs", type=positive_int, default=2,
                    help="parallel workers (default 2); with --backend ray, the CPUs of the Ray instance it starts")
     p.add_argument("--backend", choices=("local", "ray"), default="local",
@@ -140,26 +138,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default="sweep.csv", help="results CSV (default sweep.csv)")
     p.set_defaults(func=cmd_sweep, schedule=None)
 
-    p = sub.add_parser("tune", help="search DeepSpeed (or FSDP2) settings for the best predicted throughput that fits",
+    p = sub.add_parser("tune", help="search DeepSpeed (or FSDP2, FSDP1) settings for the best predicted throughput "
+                       "that fits",
                        description="Coordinate descent over DeepSpeed keys (bucket sizes, prefetch, max live "
                        "parameters, reuse distance, persistence threshold, hpZ group size, micro-batch) and "
                        "activation checkpointing, each point a full prediction; writes the winning ds_config.json "
                        "and explains, change by change, why it wins. With --strategy fsdp2: over FSDP2's "
                        "reshard_after_forward, explicit prefetch, HSDP, micro-batch and checkpointing, writing the "
-                       "winning FSDP2 config.")
+                       "winning FSDP2 config; with --strategy fsdp1: over FSDP1's sharding strategy, rate limiter, "
+                       "backward and forward prefetch, micro-batch and checkpointing, writing the winning FSDP1 "
+                       "config.")
     add_scenario_flags(p)
     add_hardware_flags(p, simulation=False)
     p.add_argument("--search", help="comma-separated dimensions to search (default: all that apply): "
                    "reduce_bucket_size, stage3_prefetch_bucket_size, stage3_max_live_parameters, "
                    "stage3_max_reuse_distance, stage3_param_persistence_threshold, zero_hpz_partition_size, "
                    "train_micro_batch_size_per_gpu, checkpointing; with --strategy fsdp2: reshard_after_forward, "
-                   "forward_prefetch, backward_prefetch, hsdp_replicas, micro_batch, checkpointing")
+                   "forward_prefetch, backward_prefetch, hsdp_replicas, micro_batch, checkpointing; with "
+                   "--strategy fsdp1: sharding_strategy, limit_all_gathers, backward_prefetch, forward_prefetch, "
+                   "micro_batch, checkpointing")
     p.add_argument("--rounds", type=positive_int, default=3, help="at most this many rounds (default 3)")
     p.add_argument("--jobs", type=positive_int, default=2, help="parallel workers (default 2)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-o", "--output", help="the config to write (default ds_config.tuned.json, or "
-                   "fsdp_config.tuned.json with --strategy fsdp2)")
+                   "fsdp_config.tuned.json with --strategy fsdp2 or fsdp1)")
     p.set_defaults(func=cmd_tune, schedule=None)
 
     p = sub.add_parser("plot", help="plot a sweep table: scaling curves or stall bars",
