@@ -213,34 +213,24 @@ def _deepspeed_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> 
                   lambda st: _scenario(base, ds, st, stage), lambda st: ds_config_for(ds, st, stage))
 
 
-def _fsdp2_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Space:
-    from commsim.strategies.fsdp2_config import parse_fsdp_config
-    from commsim.sweep import base_fsdp_config
-
-    cfg_obj = base_fsdp_config(base)
-    cfg = parse_fsdp_config(cfg_obj, str(base.fsdp_config) if isinstance(base.fsdp_config, str) else "fsdp_config")
-    start = {"reshard_after_forward": cfg.reshard_after_forward, "forward_prefetch": cfg.forward_prefetch,
-             "backward_prefetch": cfg.backward_prefetch, "hsdp_replicas": cfg.hsdp_replicas,
-             "micro_batch": base.micro_batch or 16, "checkpointing": base.checkpointing}
-    dims = dimensions or list(FSDP2_DIMENSIONS)
+def _fsdp_space(base: Scenario, strategy: str, table: dict[str, tuple[Any, ...] | None], start: dict[str, Any],
+                dimensions: list[str] | None, special: dict[str, Callable[[dict[str, Any]], list[Any]]],
+                cfg_obj: dict[str, Any]) -> _Space:
+    """An FSDP search: ``table``'s dimensions, ``special`` candidates for the derived ones,
+    half / same / double the micro-batch; the config is the base one with the settings."""
+    dims = dimensions or list(table)
     for d in dims:
-        if d not in FSDP2_DIMENSIONS:
-            raise CommsimInputError(f"--search {d}: allowed with --strategy fsdp2: {', '.join(FSDP2_DIMENSIONS)}")
-    world = base.nodes * gpn
+        if d not in table:
+            raise CommsimInputError(f"--search {d}: allowed with --strategy {strategy}: {', '.join(table)}")
 
     def candidates(d: str, cur: dict[str, Any]) -> list[Any]:
-        if d == "reshard_after_forward":
-            shard = world // cur["hsdp_replicas"]
-            out: list[Any] = [True, False]
-            if shard > gpn > 1 and shard % gpn == 0:
-                out.append(gpn)
-            return out if cur[d] in out else out + [cur[d]]
-        if d == "hsdp_replicas":
-            return sorted({1, base.nodes, cur[d]}) if gpn > 1 else [cur[d]]
-        if d == "micro_batch":
+        if d in special:
+            out = special[d](cur)
+        elif d == "micro_batch":
             return sorted({max(1, cur[d] // 2), cur[d], cur[d] * 2})
-        values = list(FSDP2_DIMENSIONS[d] or ())
-        return values if cur[d] in values else values + [cur[d]]
+        else:
+            out = list(table[d] or ())
+        return out if cur[d] in out else out + [cur[d]]
 
     def config(st: dict[str, Any]) -> dict[str, Any]:
         out = dict(cfg_obj)
@@ -252,6 +242,32 @@ def _fsdp2_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Spa
                           checkpointing=bool(st["checkpointing"]))
 
     return _Space(start, dims, candidates, scenario, config)
+
+
+def _config_name(base: Scenario) -> str:
+    return str(base.fsdp_config) if isinstance(base.fsdp_config, str) else "fsdp_config"
+
+
+def _fsdp2_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Space:
+    from commsim.strategies.fsdp2_config import parse_fsdp_config
+    from commsim.sweep import base_fsdp_config
+
+    cfg_obj = base_fsdp_config(base)
+    cfg = parse_fsdp_config(cfg_obj, _config_name(base))
+    start = {"reshard_after_forward": cfg.reshard_after_forward, "forward_prefetch": cfg.forward_prefetch,
+             "backward_prefetch": cfg.backward_prefetch, "hsdp_replicas": cfg.hsdp_replicas,
+             "micro_batch": base.micro_batch or 16, "checkpointing": base.checkpointing}
+    world = base.nodes * gpn
+
+    def reshard(cur: dict[str, Any]) -> list[Any]:
+        shard = world // cur["hsdp_replicas"]
+        return [True, False] + ([gpn] if shard > gpn > 1 and shard % gpn == 0 else [])
+
+    def hsdp(cur: dict[str, Any]) -> list[Any]:
+        return sorted({1, base.nodes, cur["hsdp_replicas"]}) if gpn > 1 else [cur["hsdp_replicas"]]
+
+    return _fsdp_space(base, "fsdp2", FSDP2_DIMENSIONS, start, dimensions,
+                       {"reshard_after_forward": reshard, "hsdp_replicas": hsdp}, cfg_obj)
 
 
 def _fsdp1_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Space:
@@ -259,36 +275,16 @@ def _fsdp1_space(base: Scenario, dimensions: list[str] | None, gpn: int) -> _Spa
     from commsim.sweep import base_fsdp_config
 
     cfg_obj = base_fsdp_config(base)
-    cfg = parse_fsdp1_config(cfg_obj, str(base.fsdp_config) if isinstance(base.fsdp_config, str) else "fsdp_config")
+    cfg = parse_fsdp1_config(cfg_obj, _config_name(base))
     start = {"sharding_strategy": cfg.sharding_strategy, "limit_all_gathers": cfg.limit_all_gathers,
              "backward_prefetch": cfg.backward_prefetch, "forward_prefetch": cfg.forward_prefetch,
              "micro_batch": base.micro_batch or 16, "checkpointing": base.checkpointing}
-    dims = dimensions or list(FSDP1_DIMENSIONS)
-    for d in dims:
-        if d not in FSDP1_DIMENSIONS:
-            raise CommsimInputError(f"--search {d}: allowed with --strategy fsdp1: {', '.join(FSDP1_DIMENSIONS)}")
 
-    def candidates(d: str, cur: dict[str, Any]) -> list[Any]:
-        if d == "sharding_strategy":
-            out = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] + (["HYBRID_SHARD"] if base.nodes > 1 and gpn > 1 else [])
-            if cfg.gradient_accumulation_steps > 1:  # NO_SHARD does not accumulate here
-                out.remove("NO_SHARD")
-            return out if cur[d] in out else out + [cur[d]]
-        if d == "micro_batch":
-            return sorted({max(1, cur[d] // 2), cur[d], cur[d] * 2})
-        values = list(FSDP1_DIMENSIONS[d] or ())
-        return values if cur[d] in values else values + [cur[d]]
+    def strategies(cur: dict[str, Any]) -> list[Any]:
+        out = ["FULL_SHARD", "SHARD_GRAD_OP"] + ([] if cfg.gradient_accumulation_steps > 1 else ["NO_SHARD"])
+        return out + (["HYBRID_SHARD"] if base.nodes > 1 and gpn > 1 else [])  # NO_SHARD: no accumulation here
 
-    def config(st: dict[str, Any]) -> dict[str, Any]:
-        out = dict(cfg_obj)
-        out.update({k: v for k, v in st.items() if k not in ("micro_batch", "checkpointing")})
-        return out
-
-    def scenario(st: dict[str, Any]) -> Scenario:
-        return base.with_(fsdp_config=config(st), micro_batch=st["micro_batch"],
-                          checkpointing=bool(st["checkpointing"]))
-
-    return _Space(start, dims, candidates, scenario, config)
+    return _fsdp_space(base, "fsdp1", FSDP1_DIMENSIONS, start, dimensions, {"sharding_strategy": strategies}, cfg_obj)
 
 
 def tune(base: Scenario, dimensions: list[str] | None = None, jobs: int = 2, max_rounds: int = 3,

@@ -38,15 +38,12 @@ timed the same minutes).
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import platform
 import sys
-from pathlib import Path
 
-from runtime.fsdp2_host_costs import (STEPS, WARMUP, WORLD, collective_ns, derive, dispatch_ns, hook_figure,
-                                      measure_processes, op_counts, per_hook_ns)
+from runtime.fsdp2_host_costs import (STEPS, WORLD, cli, collective_ns, dispatch_ns, hook_figure, measure_processes,
+                                      per_hook_ns, time_steps)
 
 # FSDP1's ops that fsdp1.py lowers to kernels (the flat gradient's cat, the pad to the
 # padded size, the pre-/post-divide, the mixed-precision casts) or allocations (the
@@ -75,8 +72,8 @@ def measure(steps: int = STEPS, world: int = WORLD) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from runtime.ds_host_setup import VOCAB, model_config
-    from runtime.ds_host_timing import clock, cpu_name
+    from runtime.ds_host_setup import model_config
+    from runtime.ds_host_timing import cpu_name
     from runtime.torch_models import build_model
 
     torch.set_num_threads(1)
@@ -84,25 +81,7 @@ def measure(steps: int = STEPS, world: int = WORLD) -> dict:
     try:
         plain = build_model(model_config())
         sharded, n_units = wrap(torch, build_model(model_config()))
-        ids = torch.randint(0, VOCAB, (2, 16))
-
-        def step(model) -> int:
-            t0 = clock()
-            model(ids, ids).backward()
-            dt = clock() - t0
-            for p in model.parameters():
-                p.grad = None
-            return dt
-
-        for _ in range(WARMUP):
-            step(plain)
-            step(sharded)
-        extra = op_counts(torch, step, sharded)
-        extra.subtract(op_counts(torch, step, plain))
-        t_sharded, t_plain = [], []
-        for _ in range(steps):
-            t_sharded.append(step(sharded))
-            t_plain.append(step(plain))  # right after, on the same minutes
+        t_sharded, t_plain, extra = time_steps(torch, sharded, plain, steps)
         op_ns, coll_ns = dispatch_ns(torch), collective_ns(torch, dist)
     finally:
         dist.destroy_process_group()
@@ -131,21 +110,7 @@ def measure_for_profile(processes: int = 3, log=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--derive":
-        print(json.dumps(derive(argv[1], argv[2:]), indent=1))
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-o", "--out", required=True, help="the run's JSON")
-    ap.add_argument("--steps", type=int, default=STEPS, help=f"measured steps of each model (default {STEPS})")
-    ap.add_argument("--world", type=int, default=WORLD, help=f"ranks of the fake process group (default {WORLD})")
-    args = ap.parse_args(argv)
-    if args.world < 2:
-        ap.error("--world: at least 2 (at 1 rank FSDP1 shards nothing and skips its collectives)")
-    doc = measure(args.steps, args.world)
-    print(f"FSDP1 hooks: {doc['per_hook_call_ns'] / 1e3:.1f} us per hook call", file=sys.stderr)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    return 0
+    return cli(argv, measure, "FSDP1", __doc__, "at 1 rank FSDP1 shards nothing and skips its collectives")
 
 
 if __name__ == "__main__":

@@ -323,27 +323,21 @@ def _name_new_grad(rec: "Recorder", handle, grad: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------- the runs
 SETTLE_S = 0.05  # a few OS time slices on a loaded 2-core machine
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
 
 
 def build(settings: dict, checkpointing: str | None):
     """runtime/examples/fsdp_train.py's ``train_fsdp1`` model and optimizer."""
-    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from commsim.models import resolve_model
     from commsim.strategies.fsdp1_config import parse_fsdp1_config
+    from runtime.examples.fsdp_train import fsdp1_kwargs
     from runtime.torch_models import build_model
 
     fc = parse_fsdp1_config(settings)
     if fc.sharding_strategy == "HYBRID_SHARD":
         raise ValueError("HYBRID_SHARD needs a device mesh: not recorded here")
-    kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy[fc.sharding_strategy],
-              limit_all_gathers=fc.limit_all_gathers, use_orig_params=False, forward_prefetch=fc.forward_prefetch,
-              backward_prefetch=BackwardPrefetch[fc.backward_prefetch] if fc.backward_prefetch else None)
-    if fc.mp_param_dtype or fc.mp_reduce_dtype:
-        kw["mixed_precision"] = MixedPrecision(param_dtype=DTYPES[fc.mp_param_dtype],
-                                               reduce_dtype=DTYPES[fc.mp_reduce_dtype])
+    kw = fsdp1_kwargs(fc)
     torch.manual_seed(0)
     cfg = resolve_model("tiny")
     model = build_model(cfg)

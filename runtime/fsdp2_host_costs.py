@@ -38,6 +38,7 @@ minutes).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -67,8 +68,7 @@ def measure(steps: int = STEPS, world: int = WORLD) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from runtime.ds_host_setup import VOCAB, model_config
-    from runtime.ds_host_timing import clock
+    from runtime.ds_host_setup import model_config
     from runtime.dtensor_dispatch import measure as dtensor_measure
     from runtime.torch_models import build_model
 
@@ -82,25 +82,7 @@ def measure(steps: int = STEPS, world: int = WORLD) -> dict:
             fully_shard(m)
         fully_shard(sharded)
         n_units = len(units) + 1
-        ids = torch.randint(0, VOCAB, (2, 16))
-
-        def step(model) -> int:
-            t0 = clock()
-            model(ids, ids).backward()
-            dt = clock() - t0
-            for p in model.parameters():
-                p.grad = None
-            return dt
-
-        for _ in range(WARMUP):
-            step(plain)
-            step(sharded)
-        extra = op_counts(torch, step, sharded)
-        extra.subtract(op_counts(torch, step, plain))
-        t_sharded, t_plain = [], []
-        for _ in range(steps):
-            t_sharded.append(step(sharded))
-            t_plain.append(step(plain))  # right after, on the same minutes
+        t_sharded, t_plain, extra = time_steps(torch, sharded, plain, steps)
         op_ns, coll_ns = dispatch_ns(torch), collective_ns(torch, dist)
         dtensor = dtensor_measure()  # FSDP2's optimizer: its parameters are DTensors
     finally:
@@ -114,6 +96,35 @@ def measure(steps: int = STEPS, world: int = WORLD) -> dict:
         "machine": {"cpu": _cpu_name(), "python": platform.python_version(), "torch": torch.__version__},
         "date": datetime.date.today().isoformat(),
     }
+
+
+def time_steps(torch, sharded, plain, steps: int) -> tuple[list[int], list[int], collections.Counter]:
+    """Forward + backward of the wrapped and the plain model (thread CPU ns), after
+    ``WARMUP`` steps of each, one plain step right after each wrapped one (the same
+    minutes); and the wrapped step's ops beyond the plain step's."""
+    from runtime.ds_host_setup import VOCAB
+    from runtime.ds_host_timing import clock
+
+    ids = torch.randint(0, VOCAB, (2, 16))
+
+    def step(model) -> int:
+        t0 = clock()
+        model(ids, ids).backward()
+        dt = clock() - t0
+        for p in model.parameters():
+            p.grad = None
+        return dt
+
+    for _ in range(WARMUP):
+        step(plain)
+        step(sharded)
+    extra = op_counts(torch, step, sharded)
+    extra.subtract(op_counts(torch, step, plain))
+    t_sharded, t_plain = [], []
+    for _ in range(steps):
+        t_sharded.append(step(sharded))
+        t_plain.append(step(plain))
+    return t_sharded, t_plain, extra
 
 
 def hook_figure(sharded_ns: list[int], plain_ns: list[int], extra_ops: dict[str, int], op_ns: float,
@@ -134,8 +145,6 @@ def hook_figure(sharded_ns: list[int], plain_ns: list[int], extra_ops: dict[str,
 
 def op_counts(torch, step, model):
     """Each op's calls in one step of ``model``, as torch dispatches them."""
-    import collections
-
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -257,22 +266,28 @@ def _cpu_name() -> str:
     return cpu_name()
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None, measure_fn, what: str, doc: str, world_note: str) -> int:
+    """The command line of this module and runtime/fsdp1_host_costs.py: one process's run
+    (``-o``), or ``--derive``."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--derive":
         print(json.dumps(derive(argv[1], argv[2:]), indent=1))
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("-o", "--out", required=True, help="the run's JSON")
     ap.add_argument("--steps", type=int, default=STEPS, help=f"measured steps of each model (default {STEPS})")
     ap.add_argument("--world", type=int, default=WORLD, help=f"ranks of the fake process group (default {WORLD})")
     args = ap.parse_args(argv)
     if args.world < 2:
-        ap.error("--world: at least 2 (at 1 rank FSDP2 skips its all-gathers)")
-    doc = measure(args.steps, args.world)
-    print(f"FSDP2 hooks: {doc['per_hook_call_ns'] / 1e3:.1f} us per hook call", file=sys.stderr)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        ap.error(f"--world: at least 2 ({world_note})")
+    run = measure_fn(args.steps, args.world)
+    print(f"{what} hooks: {run['per_hook_call_ns'] / 1e3:.1f} us per hook call", file=sys.stderr)
+    Path(args.out).write_text(json.dumps(run, indent=1) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, measure, "FSDP2", __doc__, "at 1 rank FSDP2 skips its all-gathers")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,22 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def fsdp1_kwargs(fc) -> dict:
+    """``FullyShardedDataParallel``'s arguments for FSDP1 settings ``fc`` (fsdp1_config's) on
+    CPUs, flat parameters (``use_orig_params=False``); HYBRID_SHARD's mesh is the caller's."""
+    import torch
+    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
+    kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy[fc.sharding_strategy],
+              limit_all_gathers=fc.limit_all_gathers, use_orig_params=False, forward_prefetch=fc.forward_prefetch,
+              backward_prefetch=BackwardPrefetch[fc.backward_prefetch] if fc.backward_prefetch else None)
+    if fc.mp_param_dtype or fc.mp_reduce_dtype:
+        kw["mixed_precision"] = MixedPrecision(param_dtype=dtypes[fc.mp_param_dtype],
+                                               reduce_dtype=dtypes[fc.mp_reduce_dtype])
+    return kw
+
+
 def train_fsdp1(args: argparse.Namespace) -> None:
     """FSDP1 the usual way: ``FullyShardedDataParallel`` around every layer, then around the
     model, Hugging Face's checkpointing around each layer's call (outside its unit);
@@ -159,7 +175,6 @@ def train_fsdp1(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from commsim.models import resolve_model
@@ -169,13 +184,7 @@ def train_fsdp1(args: argparse.Namespace) -> None:
     fc = load_fsdp1_config(args.fsdp_config) if args.fsdp_config else parse_fsdp1_config({})
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
-    kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy[fc.sharding_strategy],
-              limit_all_gathers=fc.limit_all_gathers, use_orig_params=False, forward_prefetch=fc.forward_prefetch,
-              backward_prefetch=BackwardPrefetch[fc.backward_prefetch] if fc.backward_prefetch else None)
-    if fc.mp_param_dtype or fc.mp_reduce_dtype:
-        kw["mixed_precision"] = MixedPrecision(param_dtype=dtypes[fc.mp_param_dtype],
-                                               reduce_dtype=dtypes[fc.mp_reduce_dtype])
+    kw = fsdp1_kwargs(fc)
     if fc.sharding_strategy == "HYBRID_SHARD":  # on CPUs the groups come from a mesh: 2 ranks a "node"
         kw["device_mesh"] = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
