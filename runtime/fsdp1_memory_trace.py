@@ -12,9 +12,10 @@ runtime/examples/fsdp_train.py ``--fsdp1`` builds it (the catalogue's ``tiny`` m
 asked; the root's lazy init run before the first step, so that units and streams are
 named from the start), for ``--steps`` steps of forward and backward (each micro-step's
 under ``gradient_accumulation_steps``, all but the last inside ``no_sync()`` when
-``no_sync`` is set), ``AdamW.step``, ``zero_grad``; rank 0 writes the events of step ``--record-step``, run with the cyclic
-garbage collector off (torch 2.13 sources: RU = _runtime_utils.py, FP = _flat_param.py,
-LU = _limiter_utils.py under torch/distributed/fsdp/):
+``no_sync`` is set), ``AdamW.step``, ``zero_grad``; rank 0 writes the events of step
+``--record-step``, run with the cyclic garbage collector off (torch 2.13 sources: RU =
+_runtime_utils.py, FP = _flat_param.py, LU = _limiter_utils.py under
+torch/distributed/fsdp/):
 
 * ``flat:<unit>`` and ``mp_shard:<unit>``: ``_alloc_storage`` / ``_free_storage``
   (torch/distributed/utils.py:167-206, storage ``resize_``) on the flat parameter's

@@ -132,7 +132,8 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Gradients):
         self.checkpointing, self.style, self.foreach = checkpointing, checkpoint_style, foreach
         s = cfg.shard_size(world_size, gpus_per_node)
         self.no_shard = s == 1  # NO_SHARD: the units' groups are the world's, for the all-reduce
-        self.layout = FSDP2Layout.build(md, world_size, FSDP2Config(hsdp_replicas=1 if self.no_shard else world_size // s))
+        replicas = 1 if self.no_shard else world_size // s
+        self.layout = FSDP2Layout.build(md, world_size, FSDP2Config(hsdp_replicas=replicas))
         self.groups_of = lambda r: self.layout.groups_of(r, None)
         g0 = self.groups_of(0)
         self.shard_group, self.replica_group = g0.partition, g0.replica
@@ -336,7 +337,7 @@ class FSDP1Lowering(FSDP2Kernels, FSDP1Gradients):
         b, c = self.b, self.costs
         src = f"shard:{h.name}"
         mp = self.cdt is not FP32 and (self.no_shard or not h.unsharded)
-        if mp:  # FlatParamHandle.pre_unshard (FP:1307-1340): the low-precision shard, when it gathers (NO_SHARD: always)
+        if mp:  # FlatParamHandle.pre_unshard (FP:1307-1340): the low-precision shard when it gathers; NO_SHARD always
             src = f"mp_shard:{h.name}"
             b.alloc(src, h.shard * self.cdt.itemsize_bytes, PRE_UNSHARD, f"{h.name}'s shard in {self.cdt.value}")
             b.host("launch", O.HostKind.LAUNCH, c.launch_ns)
