@@ -244,7 +244,8 @@ def _host_costs(sc: Scenario, version: str):
             return (host_costs_from(obj["host_costs"], sc.hw_profile, host_costs_for(version)),
                     f"measured into {sc.hw_profile}" + (f" ({how})" if how else "") + f", over {table}")
     if sc.strategy in ("fsdp2", "fsdp1"):
-        return None, f"{table}'s launches and module hook ({sc.strategy.upper()}'s own hooks are not measured)"
+        return None, (f"{table}'s launches and {sc.strategy.upper()}'s own hook figure ({sc.strategy}_hook_ns, "
+                      f"timed by runtime/{sc.strategy}_host_costs.py)")
     return None, table
 
 
