@@ -19,8 +19,9 @@ class Row:
     preset: str = "optimized"
     micro: int = 4
     seq: int = 128
-    runner: str = "executor"  # executor | deepspeed | fsdp2 | slow-link | fast-link
-    fsdp: dict | None = None  # FSDP2 settings: the row runs real FSDP2 (fsdp2, or over a link)
+    runner: str = "executor"  # executor | deepspeed | fsdp2 | fsdp1 | slow-link | fast-link
+    fsdp: dict | None = None  # FSDP settings: the row runs real FSDP2 (fsdp2, or over a link) or FSDP1
+    fsdp1: bool = False  # with fsdp: FSDP1 (FullyShardedDataParallel) and its settings
     bf16: bool = False  # DeepSpeed rows: bf16 mixed precision (fp32 master weights and optimizer)
 
 
@@ -62,6 +63,8 @@ GRID = [
     # real PyTorch FSDP2 (fp32, FSDP2's defaults; checkpointing as the other rows)
     Row("FSDP2 small", "small", 2, {}, micro=2, runner="fsdp2", fsdp={}),
     Row("FSDP2 small no reshard", "small", 2, {}, micro=2, runner="fsdp2", fsdp={"reshard_after_forward": False}),
+    # real PyTorch FSDP1 (fp32, FSDP1's defaults: FULL_SHARD, rate limiter, BACKWARD_PRE)
+    Row("FSDP1 small", "small", 2, {}, micro=2, runner="fsdp1", fsdp={}, fsdp1=True),
     # Two ranks in separate network namespaces joined by a veth pair: rate-limited with tc
     # (the local stand-in for EFA) or not (a fast fabric). Root only; skipped otherwise.
     Row("small z3 opt slow link", "small", 2, {"stage": 3}, runner="slow-link"),
@@ -92,7 +95,8 @@ def row_config(row: Row) -> dict:
 
 def scenario(row: Row, cfg: str | dict, **kw) -> Scenario:
     if row.fsdp is not None:
-        return Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, strategy="fsdp2", fsdp_config=cfg,
+        return Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, strategy="fsdp1" if row.fsdp1 else "fsdp2",
+                        fsdp_config=cfg,
                         micro_batch=row.micro, seq=row.seq, **kw)
     return Scenario(model=row.model, nodes=1, gpus_per_node=row.ranks, ds_config=cfg, seq=row.seq,
                     preset=row.preset, **kw)

@@ -53,8 +53,10 @@ def measure_deepspeed(row: Row, cfg_path: Path, timings: Path, steps: int) -> fl
 
 
 def fsdp2_args(row: Row, cfg_path: Path, timings: Path, steps: int) -> list[str]:
+    """runtime.examples.fsdp_train's arguments for an FSDP row (FSDP2, or FSDP1 with ``--fsdp1``)."""
     return ["--model", row.model, "--seq", str(row.seq), "--micro-batch", str(row.micro), "--fsdp-config",
-            str(cfg_path), "--steps", str(steps + FSDP2_WARMUP), "--timings", str(timings)]
+            str(cfg_path), "--steps", str(steps + FSDP2_WARMUP), "--timings", str(timings),
+            *(["--fsdp1"] if row.fsdp1 else [])]
 
 
 def measure_fsdp2(row: Row, cfg_path: Path, timings: Path, steps: int) -> float:

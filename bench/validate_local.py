@@ -27,7 +27,8 @@ timing its steps; their prediction uses host costs that calibrate measured from
 DeepSpeed itself (on a different, tiny model). Rows with FSDP2 settings (``fsdp``) run
 real PyTorch FSDP2 (runtime/examples/fsdp_train.py, gloo) with those settings instead,
 timing its steps, and are predicted with ``--strategy fsdp2`` and FSDP2's hook costs
-timed once at the start, as ``calibrate --fsdp2-host-costs`` times them. Rows marked
+timed once at the start, as ``calibrate --fsdp2-host-costs`` times them; an ``fsdp1`` row
+runs and predicts FSDP1 (``FullyShardedDataParallel``) the same way. Rows marked
 ``slow-link`` / ``fast-link`` run the two ranks in separate network namespaces joined by
 a veth pair rate-limited with tc (root only), each calibrated over that link.
 
@@ -76,6 +77,7 @@ from commsim.hardware.profile_doc import mean_profile  # noqa: E402
 from commsim.ir.errors import CommsimInputError  # noqa: E402
 from commsim.ir.serialize import save_schedule  # noqa: E402
 from runtime.calibrate_ds import FIELDS as DS_FIELDS, merge_host_costs  # noqa: E402
+from runtime.fsdp1_host_costs import measure_for_profile as measure_fsdp1_hooks  # noqa: E402
 from runtime.fsdp2_host_costs import measure_for_profile as measure_fsdp2_hooks  # noqa: E402
 
 from linked_namespaces import LinkedNamespaces  # noqa: E402
@@ -115,7 +117,8 @@ def main() -> None:
                     help="8 rows (no 4-rank, DeepSpeed or FSDP2 rows), 2 measured steps")
     ap.add_argument("--traces", help="copy each row's measured trace into this folder")
     ap.add_argument("--skip-deepspeed", action="store_true")
-    ap.add_argument("--only", help="comma-separated runners to keep: executor, deepspeed, fsdp2, slow-link, fast-link")
+    ap.add_argument("--only", help="comma-separated runners to keep: executor, deepspeed, fsdp2, fsdp1, slow-link, "
+                    "fast-link")
     ap.add_argument("--row", action="append", default=[], metavar="NAME",
                     help="keep only the row of this name (repeatable), e.g. --row 'small z2'")
     ap.add_argument("--calibrate-once", action="store_true",
@@ -190,11 +193,14 @@ def main() -> None:
         measured = json.loads(base.read_text())["host_costs"]
         host_costs = {k: v for k, v in measured.items() if k in DS_FIELDS}  # each row keeps its own launches
         host_costs["source"] = "DeepSpeed's routines timed by commsim calibrate --deepspeed-host-costs"
-    fsdp2_costs = None
-    if any(r.fsdp is not None for r in rows):
+    fsdp2_costs = fsdp1_costs = None
+    if any(r.fsdp is not None and not r.fsdp1 for r in rows):
         # FSDP2's per-hook Python: measured once, as calibrate --fsdp2-host-costs does
         print("measuring FSDP2's host costs ...", flush=True)
         fsdp2_costs = measure_fsdp2_hooks(log=lambda m: None)
+    if any(r.fsdp1 for r in rows):
+        print("measuring FSDP1's host costs ...", flush=True)
+        fsdp1_costs = measure_fsdp1_hooks(log=lambda m: None)
     if args.calibrate_once:
         for key in sorted({row_key(r) for r in rows}, key=str):
             profiles[key] = work / f"profile-{key}.json"
@@ -204,7 +210,8 @@ def main() -> None:
     print(f"{'row':<34}{'ranks':>6}{'predicted s':>13}{'measured s':>12}{'error':>9}"
           + ("   (each run)" if args.repeats > 1 else ""), flush=True)
     def with_host_costs(row: Row, profile: Path) -> None:
-        costs = host_costs if row.runner == "deepspeed" else fsdp2_costs if row.fsdp is not None else None
+        costs = (host_costs if row.runner == "deepspeed" else fsdp1_costs if row.fsdp1
+                 else fsdp2_costs if row.fsdp is not None else None)
         if costs:
             obj = json.loads(profile.read_text())
             obj["host_costs"] = merge_host_costs(obj.get("host_costs"), costs)

@@ -7,8 +7,10 @@ Each transformer layer is its own FSDP unit, then the whole model (so embeddings
 the LM head form the root unit), as FSDP users shard a transformer, with the settings
 of ``--fsdp-config`` (commsim.strategies.fsdp2_config: the keys of ``fully_shard``'s
 arguments; the same file ``commsim schedule --strategy fsdp2 --fsdp-config`` reads).
-Used under ``commsim record`` by the fidelity tests (tests/runtime/test_fsdp2_fidelity.py)
-and by bench/validate_local.py (``--timings``). The optimizer is torch's AdamW. The run
+With ``--fsdp1`` it wraps with FSDP1 (``FullyShardedDataParallel``) instead, the settings
+being FSDP1's (commsim.strategies.fsdp1_config), in the same timed loop. Used under
+``commsim record`` by the fidelity tests (tests/runtime/test_fsdp2_fidelity.py,
+test_fsdp1_fidelity.py) and by bench/validate_local.py (``--timings``). The optimizer is torch's AdamW. The run
 keeps its own records on request (``runtime.examples.records``): a torch.profiler trace
 of its steps (--torch-profile-dir) and Flight Recorder dumps (--flight-recorder,
 --flight-recorder-json), as tests/runtime/test_run_records.py reads them, and every
@@ -46,8 +48,23 @@ def main() -> None:
     records.add_arguments(ap)
     gc_log.add_arguments(ap)
     args = ap.parse_args()
-    records.before_init(args)
+    records.before_init(args)  # before the process group starts (in the builders)
+    if args.fsdp1:
+        model, cfg, gas, quiet = build_fsdp1(args)
+    else:
+        model, cfg, gas, quiet = build_fsdp2(args)
+    if args.mark_modules:
+        from runtime.record import mark
 
+        for name, mod in model.named_modules():
+            mod.register_forward_pre_hook(lambda m, a, n=name: mark(f"fwd_pre:{n}"))
+            mod.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"bwd_pre:{n}"))
+    train(args, model, cfg, gas, quiet)
+
+
+def build_fsdp2(args: argparse.Namespace):
+    """FSDP2 (``fully_shard``) on every layer, then the model: (model, its config, micro-steps,
+    the context each micro-step runs in)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -57,8 +74,6 @@ def main() -> None:
     from commsim.strategies.fsdp2_config import load_fsdp_config, parse_fsdp_config, shard_size
     from runtime.torch_models import build_model
 
-    if args.fsdp1:
-        return train_fsdp1(args)
     fc = load_fsdp_config(args.fsdp_config) if args.fsdp_config else parse_fsdp_config({})
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world = dist.get_world_size()
@@ -91,16 +106,25 @@ def main() -> None:
             targets = layers[max(0, i - fc.backward_prefetch):i][::-1]
             if targets:
                 layer.set_modules_to_backward_prefetch(targets)
-    if args.mark_modules:
-        from runtime.record import mark
+    gas = fc.gradient_accumulation_steps
 
-        for name, mod in model.named_modules():
-            mod.register_forward_pre_hook(lambda m, a, n=name: mark(f"fwd_pre:{n}"))
-            mod.register_full_backward_pre_hook(lambda m, g, n=name: mark(f"bwd_pre:{n}"))
+    def quiet(micro: int):
+        if not fc.requires_gradient_sync:  # reduce only at the last micro-step
+            model.set_requires_gradient_sync(micro == gas - 1)
+        return contextlib.nullcontext()
+
+    return model, cfg, gas, quiet
+
+
+def train(args: argparse.Namespace, model, cfg, gas: int, quiet) -> None:
+    """``args.steps`` steps of ``gas`` micro-steps (each inside ``quiet(micro)``), AdamW,
+    timed per phase; the records and the timings file as asked."""
+    import torch
+    import torch.distributed as dist
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gcl = gc_log.start(args, model)
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
-    gas = fc.gradient_accumulation_steps
     times = []
     phase_times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}  # summed over micro-steps
     phase_faults: dict[str, list[int]] = {k: [] for k in phase_times}  # minor page faults (runtime.examples.ds_train)
@@ -112,19 +136,17 @@ def main() -> None:
             spent = dict.fromkeys(phase_times, 0.0)
             faults = dict.fromkeys(phase_times, 0)
             for micro in range(gas):
-                if not fc.requires_gradient_sync:
-                    # reduce only at the last micro-step (FSDP1's no_sync)
-                    model.set_requires_gradient_sync(micro == gas - 1)
                 ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
-                f0 = minor_faults()
-                if gcl:
-                    gcl.phase = "forward"
-                t0 = time.perf_counter()
-                loss = model(ids, labels=ids)
-                t1, f1 = time.perf_counter(), minor_faults()
-                if gcl:
-                    gcl.phase = "backward"
-                loss.backward()
+                with quiet(micro):
+                    f0 = minor_faults()
+                    if gcl:
+                        gcl.phase = "forward"
+                    t0 = time.perf_counter()
+                    loss = model(ids, labels=ids)
+                    t1, f1 = time.perf_counter(), minor_faults()
+                    if gcl:
+                        gcl.phase = "backward"
+                    loss.backward()
                 spent["forward"] += t1 - t0
                 spent["backward"] += time.perf_counter() - t1
                 faults["forward"] += f1 - f0
@@ -168,10 +190,11 @@ def fsdp1_kwargs(fc) -> dict:
     return kw
 
 
-def train_fsdp1(args: argparse.Namespace) -> None:
+def build_fsdp1(args: argparse.Namespace):
     """FSDP1 the usual way: ``FullyShardedDataParallel`` around every layer, then around the
-    model, Hugging Face's checkpointing around each layer's call (outside its unit);
-    plain steps (no timings or records)."""
+    model, Hugging Face's checkpointing around each layer's call (outside its unit); every
+    micro-step but the last inside ``no_sync()`` when the settings ask. Returns as
+    ``build_fsdp2``."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -196,20 +219,12 @@ def train_fsdp1(args: argparse.Namespace) -> None:
     for i in range(len(layers)):
         layers[i] = FSDP(layers[i], **kw)
     model = FSDP(model, **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(1234 + dist.get_rank())
     gas = fc.gradient_accumulation_steps
-    for _ in range(args.steps):
-        for micro in range(gas):
-            ids = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq), generator=g)
-            # every micro-step but the last inside no_sync() when asked (Accelerate's way)
-            quiet = model.no_sync() if fc.no_sync and micro < gas - 1 else contextlib.nullcontext()
-            with quiet:
-                model(ids, labels=ids).backward()
-        opt.step()
-        opt.zero_grad()
-    dist.barrier()
-    dist.destroy_process_group()
+
+    def quiet(micro: int):
+        return model.no_sync() if fc.no_sync and micro < gas - 1 else contextlib.nullcontext()
+
+    return model, cfg, gas, quiet
 
 
 if __name__ == "__main__":
