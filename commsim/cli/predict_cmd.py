@@ -74,6 +74,9 @@ def report_lines(pred, seed: int) -> list[str]:
     out.append(f"{'memory':<22}peak allocated {_fmt_bytes(m.peak_allocated_bytes)}, reserved "
                f"{_fmt_bytes(m.peak_reserved_bytes)} of {_fmt_bytes(pred.hbm_bytes)}; allocator retries "
                f"{m.alloc_retries}, cache flushes {m.alloc_flushes}")
+    if m.allocator_settled is False and m.warmup_steps:
+        out.append(f"  (not settled: after {m.warmup_steps} warm-up steps the measured step still cudaMalloc'd "
+                   "new segments; the pool may grow further, up to a cache flush)")
     first = pred.result.ranks[min(pred.result.ranks)]
     fresh = first.fresh_page_bytes
     if fresh:  # a CPU run: the host pages a framework's tensors and gloo's temporaries first write, a step
@@ -124,7 +127,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="simulate a training step and report step time, overlap and stalls",
-                       description="Simulate one steady-state training step (after a warm-up step) and report "
+                       description="Simulate one steady-state training step (after warm-up steps that let the caching "
+                       "allocator settle) and report "
                        "step time, throughput, overlap, stalls of the compute stream by cause, memory and cost. "
                        "Defaults: the seed scenario, roberta-10b on 8 p4d nodes, ZeRO-3 as DeepSpeed 0.19.8, micro-batch 16, "
                        "sequence 512, bf16 (fp16 on V100, which has no bf16 tensor cores), layer-wise checkpointing.")

@@ -201,6 +201,9 @@ class Metrics:
     # host time those collections added on the reported rank: every rank's passes as the
     # job pays them (symmetric), or the rank's own (per-rank)
     host_gc_pause_s: float = 0.0
+    warmup_steps: int = 0  # steps simulated before the measured one
+    # the measured step added no segment to the caching allocator (None: not known)
+    allocator_settled: bool | None = None
 
     def to_json(self) -> dict:
         """The fields, with a figure that does not exist (NaN: no tokens, no step) as null,
@@ -258,4 +261,6 @@ def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) 
         host_gc=(result.host_gc.period_steps, result.host_gc.pause_ns / 1e9, result.host_gc.alignment)
         if result.host_gc else None,
         host_gc_pause_s=rr.gc_pause_ns / 1e9,
+        warmup_steps=result.warmup_steps,
+        allocator_settled=result.allocator_settled,
     )

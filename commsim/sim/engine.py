@@ -42,7 +42,7 @@ from commsim.sim.network import FluidNetwork
 from commsim.sim.rank import RankSim
 from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, SimConfig, SimResult, sample_spans, stall_kind
 
-__all__ = ["HOST", "HostBlock", "OpRecord", "RankResult", "SimConfig", "SimResult", "Simulator", "simulate",
+__all__ = ["HOST", "SETTLE_MAX_STEPS", "HostBlock", "OpRecord", "RankResult", "SimConfig", "SimResult", "Simulator", "simulate",
            "rank_noise", "NOISE_SAMPLES"]
 
 
@@ -68,7 +68,7 @@ class Simulator:
         mode = config.mode
         # Rank-symmetric: all ranks run one program, or (hierarchical partitioning) the
         # same program over their own groups, as the generator declares.
-        symmetric_ok = len(schedule.programs) == 1 or schedule.meta.rank_symmetric
+        symmetric_ok = self.symmetric_ok = len(schedule.programs) == 1 or schedule.meta.rank_symmetric
         noise_sd, noise_corr_ns = rank_noise(cost, config)
         # a config's rank noise replaces the profile's drift whole, its slow component too
         overridden = config.rank_noise_sd is not None
@@ -296,21 +296,39 @@ class Simulator:
         """Simulate the step. ``warm_from``: a warmed-up rank of an earlier run of the same
         schedule and costs (``self.warm``), so that seeded repeats skip the warm-up."""
         sims = {r: self.rank_kind(self, r) for r in sorted(self.ranks)}
-        warmup = self.config.warmup_steps
+        warmup, settle_max = self.config.warmup_steps, 0
+        if warmup is None:  # until the caching allocator settles (GPUs), else one step
+            warmup, settle_max = (1, 0) if self.rank_kind is CpuRank else (1, SETTLE_MAX_STEPS)
+            if self.mode == "per-rank" and not self.symmetric_ok:
+                # ranks of programs of their own: nothing says how many steps each needs
+                # while every rank must run as many (else collectives meet another
+                # step's): one, the measured step's own check says whether it settled
+                settle_max = 0
         warm = None
-        if self.mode == "per-rank" and warmup and len(self.schedule.programs) == 1 and warm_from is not None:
-            warm, warmup = warm_from, 0
-        elif self.mode == "per-rank" and warmup and len(self.schedule.programs) == 1:
+        warmed = 0  # warm-up steps the rank(s) started from had run
+        single = len(self.schedule.programs) == 1
+        if self.mode == "per-rank" and warmup and warm_from is not None and single:
+            warm, warmup, settle_max = warm_from, 0, 0
+            warmed = warm_from.warmup_run + 1
+        elif self.mode == "per-rank" and warmup and (single or settle_max):
             # Identical programs reach the same allocator state: simulate the warm-up
             # once (symmetric, no jitter) and start every rank from a copy of it.
-            pre = Simulator(self.schedule, self.cost, replace(self.config, mode="symmetric", jitter=0.0,
-                                                              warmup_steps=warmup - 1, keep_trace=False))
-            pre_result = pre.run()
-            if pre_result.oom is not None:
-                return SimResult(self.mode, pre_result.ranks, 0, oom=pre_result.oom, seed=self.config.seed,
-                                 jitter=self.jitter)
-            warm = pre.sims[0]
-            warmup = 0
+            steps = warmup
+            if settle_max:
+                # how many steps the allocator takes to settle (rank 0's program): every
+                # rank runs as many, or its collectives would meet another step's
+                _, probe = self._symmetric(None)
+                if probe.oom is not None:
+                    return probe
+                steps = probe.warmup_steps
+            if single:
+                pre, pre_result = self._symmetric(steps - 1)
+                if pre_result.oom is not None:
+                    return pre_result
+                warm, warmed, warmup = pre.sims[0], steps, 0
+            else:
+                warmup = steps
+            settle_max = 0
         self.warm = warm  # the rank every rank started from (None: each warmed up itself)
         self.sims = sims
         try:
@@ -322,7 +340,7 @@ class Simulator:
         except OutOfMemory as e:
             return SimResult(self.mode, {r: s.result for r, s in sims.items()}, 0,
                              oom=f"persistent state does not fit: {e}", seed=self.config.seed, jitter=self.jitter)
-        procs = [self.env.process(s.host(warmup)) for s in sims.values()]
+        procs = [self.env.process(s.host(warmup, settle_max)) for s in sims.values()]
         all_done = simpy.AllOf(self.env, procs)
         self.env.run(until=simpy.AnyOf(self.env, [all_done, self.stop]))
         if self.oom is None:
@@ -334,13 +352,27 @@ class Simulator:
             ends = [r.end_ns for r in s.result.records]
             s.result.end_ns = max(ends) if ends else 0
         step = max((s.result.end_ns for s in sims.values()), default=0)
+        first = sims[min(sims)]
+        settled = first.settled if self.oom is None else None
         return SimResult(self.mode, {r: s.result for r, s in sims.items()}, step, oom=self.oom,
+                         warmup_steps=warmed + first.warmup_run, allocator_settled=settled,
                          seed=self.config.seed, jitter=self.jitter, host_jitter=self.host_jitter,
                          host_gc=self.config.host_gc,
                          cpu_sharing=self.cpu_sharing,
                          rank_noise=self.rank_noise, rank_noise_slow=self.rank_noise_slow,
                          rank_stalls=(self.rank_stalls.rate_per_s, self.rank_stalls.loss))
 
+
+    def _symmetric(self, warmup_steps: int | None) -> tuple["Simulator", SimResult]:
+        """A symmetric, noise-free run of this schedule with ``warmup_steps`` warm-up
+        steps (None: until the allocator settles), and its result (an out-of-memory one
+        in this simulator's mode)."""
+        sim = Simulator(self.schedule, self.cost, replace(self.config, mode="symmetric", jitter=0.0,
+                                                          warmup_steps=warmup_steps, keep_trace=False))
+        res = sim.run()
+        if res.oom is not None:
+            res = SimResult(self.mode, res.ranks, 0, oom=res.oom, seed=self.config.seed, jitter=self.jitter)
+        return sim, res
 
     def _check_finished(self, sims: dict[int, RankSim]) -> None:
         """Every op issued ran: else the schedule deadlocks (a collective some member never
@@ -372,6 +404,13 @@ def rank_noise(cost: CostModel, config: SimConfig) -> tuple[float, int]:
         raise ValueError(f"rank noise sd {sd}, correlation {corr} ns: the sd must be >= 0 and, "
                          "when it is not 0, the correlation time > 0")
     return (float(sd), int(corr)) if sd else (0.0, 0)
+
+
+# The most steps a GPU simulation warms up for while its caching allocator has not
+# settled (SimConfig.warmup_steps None): every step before the measured one is one more
+# step's simulation, and this keeps a prediction within 2x the cost of a one-step
+# warm-up (bench/sim_speed.py).
+SETTLE_MAX_STEPS = 3
 
 
 # Step times of a noisy prediction: the median of this many seeded steps (seeds seed,

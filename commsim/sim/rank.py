@@ -84,6 +84,8 @@ class RankSim(RankMemory, RankSpeed):
         # its own stream of draws, so a profile without stalls simulates as before
         self.stall_rng = random.Random(sim.config.seed * 104_729 + rank + 2)
         self.finished_issuing = False
+        self.warmup_run = 0  # warm-up steps before the measured one (host())
+        self.settled: bool | None = None  # the measured step added no allocator segment
         # host time owed to collective calls that hold the calling thread (CPU backends):
         # paid before the host's next op, or absorbed by a wait it was blocked in anyway
         self.host_debt_ns = 0
@@ -124,9 +126,15 @@ class RankSim(RankMemory, RankSpeed):
             self.buffer_streams[op.buffer] = set()
 
     # ------------------------------------------------------------ host
-    def host(self, warmup_steps: int):
+    def host(self, warmup_steps: int, settle_max: int = 0):
+        """Issue ``warmup_steps`` unmeasured steps, then the measured one. ``settle_max``
+        > 0: a measured step that added a segment to the caching allocator (a cudaMalloc,
+        or a flush) was not steady state: it becomes a warm-up step and the next one is
+        measured, up to step ``settle_max`` (``warmup_run`` / ``settled`` say how it went)."""
         env = self.env
-        for step in range(warmup_steps + 1):
+        stats = self.alloc.stats
+        step = 0
+        while True:
             if step:
                 # Step boundary: everything of the previous step has finished (its ops'
                 # completion events are keyed by op id, which the next step reuses).
@@ -135,14 +143,22 @@ class RankSim(RankMemory, RankSpeed):
                     yield from self._block(pending)
             if isinstance(self.gc_clock, ExpectedStops):
                 self.gc_clock.start_step()
-            if step == warmup_steps:
+            measured = step >= warmup_steps
+            if measured:
                 self.result.start_ns = env.now
                 self.result.clear()
-                stats = self.alloc.stats
                 stats.peak_allocated_bytes = stats.allocated_bytes
                 stats.peak_reserved_bytes = stats.reserved_bytes
                 stats.num_alloc_retries = 0
+                segments = stats.num_device_alloc
             yield from self._issue_step()
+            if measured:
+                # the step's cudaMallocs and flushes all happen as the host issues it
+                self.settled = stats.num_device_alloc == segments
+                if not settle_max or self.settled or step >= settle_max:
+                    self.warmup_run = step
+                    break
+            step += 1
         if self.cpu is not None:
             self.cpu.release(self.thread)
         self.finished_issuing = True

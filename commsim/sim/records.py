@@ -50,8 +50,11 @@ class SimConfig:
     alloc_hit_ns: int = 1_000  # caching-allocator hit: about 1 us of host time (allocator.md)
     keep_trace: bool = True
     # Steps simulated before the measured one, so the caching allocator starts the
-    # measured step warm, as in steady-state training.
-    warmup_steps: int = 1
+    # measured step warm, as in steady-state training. None: until the allocator has
+    # settled (GPU platforms): a step that still adds a segment (a cudaMalloc or a
+    # flush) is not steady state and the next one is measured instead, up to
+    # engine.SETTLE_MAX_STEPS; CPU platforms warm up one step, as the executor does.
+    warmup_steps: int | None = None
 
 
 @dataclass(slots=True)
@@ -141,6 +144,10 @@ class SimResult:
     # included), so a phase's or an op's time can be the median over the samples as the
     # step's is (``sample_spans``; ``report.compare``)
     step_samples_spans: tuple[tuple[tuple[int, int, str, int, int], ...], ...] = ()
+    warmup_steps: int = 0  # the steps simulated before the measured one
+    # whether the measured step added no segment to the caching allocator (None: the
+    # warm-up was fixed and not checked, or the step did not run)
+    allocator_settled: bool | None = None
 
 
 def sample_spans(result: "SimResult") -> tuple[tuple[int, int, str, int, int], ...]:

@@ -7,7 +7,7 @@ import pytest
 from commsim.hardware.platform import CPU, GPU, CpuCores, MemoryModel, RankDrift, RankStalls, platform_of_backend
 from commsim.ir import ops as O
 from commsim.ir.schedule import Program, Schedule
-from commsim.sim.engine import HOST, SimConfig, Simulator
+from commsim.sim.engine import HOST, SETTLE_MAX_STEPS, SimConfig, Simulator
 from tests.sim.fixed_costs import FixedCosts
 
 C, AG = "compute", "allgather"
@@ -106,6 +106,41 @@ def test_allocator_flush_on_one_rank_stalls_the_collective_on_the_other():
     assert [(hb.start_ns, hb.end_ns, hb.reason) for hb in res.ranks[0].host_blocks] == [
         (0, 1000, "allocator"), (1000, 2500, "allocator_flush")]
     assert res.ranks[1].records[0].wait_peers_ns == 2500
+
+
+def _two_streams_flushing(stream_y):
+    MiB = 1 << 20
+    return Program((), (
+        O.Alloc(O.OpId(1), C, "x", "x", 30 * MiB),  # one 30 MiB segment of the 40 MiB device
+        O.Free(O.OpId(2), C, "x", "x"),
+        O.Alloc(O.OpId(3), stream_y, "y", "y", 30 * MiB),  # another stream: a flush, every step
+        coll(4, 1000, (0, 1), stream=C, label="ar"),
+        O.Free(O.OpId(5), stream_y, "y", "y"),
+    ))
+
+
+def test_warm_up_until_the_allocator_settles():
+    costs = FixedCosts(hbm_bytes=40 << 20)
+    # one stream: the first warm-up step leaves a segment the next step reuses
+    one = Schedule.uniform(2, _two_streams_flushing(C))
+    res = run(one, mode="symmetric", costs=costs, warmup_steps=None)
+    assert (res.warmup_steps, res.allocator_settled) == (1, True)
+    fixed = run(one, mode="symmetric", costs=costs, warmup_steps=1)
+    assert events(res) == events(fixed) == [(2000, 3000, 0, C, "ar")]  # two 1 us allocator hits first
+    assert fixed.allocator_settled is True  # a fixed warm-up checks its step too
+    # two streams on a device that holds one segment: every step flushes twice, so the
+    # pool never settles and the warm-up stops at SETTLE_MAX_STEPS
+    two = Schedule.uniform(2, _two_streams_flushing("other"))
+    for mode in ("symmetric", "per-rank"):
+        res = run(two, mode=mode, costs=costs, warmup_steps=None)
+        assert (res.warmup_steps, res.allocator_settled) == (SETTLE_MAX_STEPS, False), mode
+        assert [r.allocator.stats.num_alloc_retries for r in res.ranks.values()] == [2] * len(res.ranks)
+    # ranks with programs of their own warm up one step each (they must run as many),
+    # and the measured step says it had not settled
+    calm = Program((), (coll(4, 1000, (0, 1), stream=C, label="ar"),))
+    res = run(Schedule.from_rank_programs([_two_streams_flushing("other"), calm]), costs=costs, warmup_steps=None)
+    assert (res.warmup_steps, res.allocator_settled) == (1, False)
+    assert [(r.op.label, r.wait_peers_ns) for r in res.ranks[1].records] == [("ar", 3000)]
 
 
 def test_record_stream_defers_reuse_until_the_other_stream_is_done():
