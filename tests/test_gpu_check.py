@@ -85,8 +85,8 @@ def test_device_memory_against_the_presets_capacity():
     mem = {"total": int(39.5 * gib), "in_use": 500 * mib, "reserved": 20 * mib}
     assert gc.device_memory_line(mem, "NVIDIA A100-SXM4-40GB", ("p4d", "p4d")) == (
         "NVIDIA A100-SXM4-40GB: 39.50 GiB in all as CUDA reports it, 480 MiB held by this process's CUDA context "
-        "(in use 500 MiB less the caching allocator's 20 MiB); commsim's p4d gives its caching allocator 37.25 GiB, "
-        "94.3% of it")
+        "(in use 500 MiB less the caching allocator's 20 MiB); commsim's p4d gives its caching allocator 39.82 GiB, "
+        "100.8% of it")
     assert gc.device_memory_line(mem, "NVIDIA L4", None).endswith("less the caching allocator's 20 MiB)")
 
 

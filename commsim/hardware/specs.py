@@ -141,13 +141,26 @@ class ClusterSpec:
 # (the H100's chip) takes the H100's, the V100 the A100's where it has no figure of its own.
 _HOPPER = dict(gemm_max_efficiency=0.80, hbm_efficiency=0.89, flash_attention_efficiency=327.9 / 989)
 _AMPERE = dict(flash_attention_efficiency=179.5 / 312)
-A100_40 = GpuSpec("A100-SXM4-40GB", 312 * TERA, 19.5 * TERA, 40 * 10**9, 1555 * GB, 108, **_AMPERE)
-A100_80 = GpuSpec("A100-SXM4-80GB", 312 * TERA, 19.5 * TERA, 80 * 10**9, 2039 * GB, 108, **_AMPERE)
-H100 = GpuSpec("H100-SXM5-80GB", 989 * TERA, 67 * TERA, 80 * 10**9, 3350 * GB, 132, **_HOPPER)
-H200 = GpuSpec("H200-SXM-141GB", 989 * TERA, 67 * TERA, 141 * 10**9, 4800 * GB, 132, **_HOPPER)
+# Memory: what the driver offers a process. A datasheet's "80GB" are GiB of HBM, of which
+# the driver keeps a sliver: an H100 80GB HBM3 shows 81559 MiB (of 81920) in nvidia-smi
+# (.library/device/KINDS.md, measured 2026-11-13). The other cards are taken as the same
+# share of their datasheet GiB (the device library's H200 "about 139 GiB" agrees with the
+# 140.4 this gives). Not subtracted: the CUDA context, cuBLAS workspaces, NCCL's buffers.
+MIB = 1 << 20
+H100_VISIBLE_MIB = 81559
+
+
+def _visible_bytes(datasheet_gb: int) -> int:
+    return int(datasheet_gb * 1024 * MIB * H100_VISIBLE_MIB / 81920) // MIB * MIB
+
+
+A100_40 = GpuSpec("A100-SXM4-40GB", 312 * TERA, 19.5 * TERA, _visible_bytes(40), 1555 * GB, 108, **_AMPERE)
+A100_80 = GpuSpec("A100-SXM4-80GB", 312 * TERA, 19.5 * TERA, _visible_bytes(80), 2039 * GB, 108, **_AMPERE)
+H100 = GpuSpec("H100-SXM5-80GB", 989 * TERA, 67 * TERA, H100_VISIBLE_MIB * MIB, 3350 * GB, 132, **_HOPPER)
+H200 = GpuSpec("H200-SXM-141GB", 989 * TERA, 67 * TERA, _visible_bytes(141), 4800 * GB, 132, **_HOPPER)
 # V100: G4's cuBLAS fp16 8192^3 reached 97.4 of 125 TFLOPS (0.78); it has no bf16 tensor
 # cores and bf16 matmuls are emulated at about 10 TFLOPS (G4).
-V100_32 = GpuSpec("V100-SXM2-32GB", 125 * TERA, 15.7 * TERA, 32 * 10**9, 900 * GB, 80, gemm_max_efficiency=0.78,
+V100_32 = GpuSpec("V100-SXM2-32GB", 125 * TERA, 15.7 * TERA, _visible_bytes(32), 900 * GB, 80, gemm_max_efficiency=0.78,
                   bf16_gemm_flops_per_s=10 * TERA)
 
 # ---------------------------------------------------------------- fabrics
