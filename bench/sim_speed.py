@@ -8,7 +8,8 @@ that row reports OOM, which is the right prediction, after simulating until it f
     python bench/sim_speed.py                 # full table (per-rank mode up to --max-per-rank GPUs)
     python bench/sim_speed.py --quick         # 8 and 64 GPUs only
 
-Wall time covers the simulation (warm-up step + measured step) only; generating the
+Wall time covers the simulation (the warm-up steps, up to SETTLE_MAX_STEPS, and the measured
+step) only; generating the
 schedule is reported separately. A second table times whole predictions as
 `commsim predict` makes them (schedule, simulation, metrics) of the seed scenario
 (roberta-10b, 8 p4d nodes, EFA) for each preset: the metrics walk every idle window of
