@@ -120,3 +120,13 @@ def test_a_prediction_whose_allocator_flushes_simulates_every_rank(monkeypatch, 
 def test_an_unknown_checkpoint_style_is_refused_before_generating():
     with pytest.raises(CommsimInputError, match=r"^--checkpoint-style 'non-reentrant': allowed: reentrant, non_reentrant$"):
         predict(Scenario(model="tiny", strategy="fsdp1", checkpoint_style="non-reentrant"))
+
+
+def test_the_report_says_when_the_caching_allocator_had_not_settled():
+    from commsim.cli.predict_cmd import report_lines
+
+    pred = predict(Scenario(net="efa"))  # 0.19.8's pool still grows after the last warm-up step
+    lines = report_lines(pred, 0)
+    at = next(i for i, line in enumerate(lines) if line.startswith("memory "))
+    assert lines[at + 1] == ("  (not settled: after 2 warm-up steps the measured step still cudaMalloc'd new "
+                             "segments; the pool may grow further, up to a cache flush)")
