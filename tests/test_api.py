@@ -91,13 +91,13 @@ def test_a_frameworks_own_run_on_a_cpu_profile_waits_for_its_blocking_collective
 
 
 def test_a_prediction_whose_allocator_flushes_simulates_every_rank(monkeypatch, capsys):
-    """roberta-10b at micro-batch 20 on one p4d node flushes the caching allocator: the
+    """roberta-10b at micro-batch 22 on one p4d node flushes the caching allocator: the
     symmetric run (every rank flushing at once) is replaced by a per-rank one, where each
     rank's flush holds up the collectives it joins, and the prediction says so; above the
     rank limit the symmetric run stays, with a line that says what it understates."""
     import commsim.api as api
 
-    sc = Scenario(model="roberta-10b", nodes=1, micro_batch=20)
+    sc = Scenario(model="roberta-10b", nodes=1, micro_batch=22)
     sym = predict(sc.with_(mode="symmetric"))
     assert sym.metrics.alloc_flushes > 0 and not sym.metrics.oom
     pred = predict(sc)
