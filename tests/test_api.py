@@ -128,5 +128,7 @@ def test_the_report_says_when_the_caching_allocator_had_not_settled():
     pred = predict(Scenario(net="efa"))  # 0.19.8's pool still grows after the last warm-up step
     lines = report_lines(pred, 0)
     at = next(i for i, line in enumerate(lines) if line.startswith("memory "))
-    assert lines[at + 1] == ("  (not settled: after 2 warm-up steps the measured step still cudaMalloc'd new "
-                             "segments; the pool may grow further, up to a cache flush)")
+    grown = pred.metrics.new_segment_bytes
+    assert grown == pred.result.ranks[0].new_segment_bytes > 0
+    assert lines[at + 1] == (f"  (not settled: after 2 warm-up steps the measured step still cudaMalloc'd "
+                             f"{grown / 1e9:.1f} GB of new segments; the pool may grow further, up to a cache flush)")

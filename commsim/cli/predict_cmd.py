@@ -76,7 +76,8 @@ def report_lines(pred, seed: int) -> list[str]:
                f"{m.alloc_retries}, cache flushes {m.alloc_flushes}")
     if m.allocator_settled is False and m.warmup_steps:
         out.append(f"  (not settled: after {m.warmup_steps} warm-up steps the measured step still cudaMalloc'd "
-                   "new segments; the pool may grow further, up to a cache flush)")
+                   f"{_fmt_bytes(m.new_segment_bytes)} of new segments; the pool may grow further, up to a cache "
+                   "flush)")
     first = pred.result.ranks[min(pred.result.ranks)]
     fresh = first.fresh_page_bytes
     if fresh:  # a CPU run: the host pages a framework's tensors and gloo's temporaries first write, a step

@@ -204,6 +204,7 @@ class Metrics:
     warmup_steps: int = 0  # steps simulated before the measured one
     # the measured step added no segment to the caching allocator (None: not known)
     allocator_settled: bool | None = None
+    new_segment_bytes: int = 0  # what its segments added (the rank that added most)
 
     def to_json(self) -> dict:
         """The fields, with a figure that does not exist (NaN: no tokens, no step) as null,
@@ -263,4 +264,5 @@ def compute_metrics(result: SimResult, info: StepInfo, rank: int | None = None) 
         host_gc_pause_s=rr.gc_pause_ns / 1e9,
         warmup_steps=result.warmup_steps,
         allocator_settled=result.allocator_settled,
+        new_segment_bytes=max((r.new_segment_bytes for r in result.ranks.values()), default=0),
     )

@@ -84,6 +84,7 @@ class AllocatorStats:
     num_alloc_retries: int = 0
     num_ooms: int = 0
     num_device_alloc: int = 0
+    device_alloc_bytes: int = 0  # bytes of every segment cudaMalloc'd
     num_device_free: int = 0
 
 
@@ -222,6 +223,7 @@ class CachingAllocator:
         self.stats.reserved_bytes += size
         self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self.stats.reserved_bytes)
         self.stats.num_device_alloc += 1
+        self.stats.device_alloc_bytes += size
         return seg.head
 
     def _take(self, block: Block, rounded: int) -> Block:

@@ -150,11 +150,12 @@ class RankSim(RankMemory, RankSpeed):
                 stats.peak_allocated_bytes = stats.allocated_bytes
                 stats.peak_reserved_bytes = stats.reserved_bytes
                 stats.num_alloc_retries = 0
-                segments = stats.num_device_alloc
+                segments, segment_bytes = stats.num_device_alloc, stats.device_alloc_bytes
             yield from self._issue_step()
             if measured:
                 # the step's cudaMallocs and flushes all happen as the host issues it
                 self.settled = stats.num_device_alloc == segments
+                self.result.new_segment_bytes = stats.device_alloc_bytes - segment_bytes
                 if not settle_max or self.settled or step >= settle_max:
                     self.warmup_run = step
                     break

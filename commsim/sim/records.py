@@ -98,6 +98,7 @@ class RankResult:
     # host time the ranks' full garbage collections added to this rank's host ops (host_gc):
     # its own passes (per-rank mode), or the expected passes of every rank (symmetric)
     gc_pause_ns: int = 0
+    new_segment_bytes: int = 0  # segments the measured step cudaMalloc'd
 
     def clear(self) -> None:
         """Forget the warm-up: the measured step starts now."""
