@@ -47,6 +47,7 @@ from commsim.hardware.links import CollectivePlan, Link, LinkKind
 from commsim.hardware.sharing import IDLE, Taken
 from commsim.hardware.platform import (DEFAULT_TIME_SLICE_NS, CpuCores, Platform, RankDrift, RankStalls,
                                        platform_of_backend)
+from commsim.hardware.write_allocate import write_allocate_share
 from commsim.ir import ops as O
 from commsim.ir.errors import CommsimInputError
 
@@ -383,6 +384,8 @@ class HardwareProfile:
                 return self.kernel_overhead_ns + int(measured * 1e9)
         reused = self._reused_in_cache(op)
         mem_s = self._memory_s(op.bytes_read + op.bytes_written - reused)
+        if op.in_place_bytes and self.framework and self.platform.inline_kernels:
+            mem_s *= write_allocate_share(op)  # the table timed copies, whose writes are fresh
         if reused:
             mem_s += reused / self.cache_bytes_per_s
         flop_s = op.flops / self._gemm_rate(op.flops, op.gemm) if op.kind in (O.ComputeKind.GEMM, O.ComputeKind.ATTENTION) \

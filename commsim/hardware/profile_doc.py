@@ -77,6 +77,10 @@ at that rate when the op's ``working_set_bytes`` fit in the rank's share of the 
 (its size over the ranks per node, which share it), the rest of its bytes from the
 table: torch's single-tensor AdamW on CPUs keeps each parameter's arrays in the cache
 across its eight passes. Without ``cache`` every byte is priced from the table.
+Where the profile prices a framework's run, an op that states ``in_place_bytes`` (writes
+over bytes it read) moves no line for ownership: its table time is scaled by moved /
+(1.5 x counted) (``commsim.hardware.write_allocate``: the table's copy moves 3 bytes for
+2 counted).
 ``cache.python_cold_factor`` (optional, CPUs): how much slower a framework's Python runs
 right after a blocking collective than back to back (gloo's threads ran on the cores
 meanwhile); a framework's hooks and bookkeeping (host costs timed back to back) are

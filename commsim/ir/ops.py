@@ -161,6 +161,10 @@ class Compute:
     parameter's arrays); ``working_set_bytes``: the bytes that sequence keeps touching.
     Both are facts of the program; whether the reused bytes stay in a cache is the cost
     model's question (``commsim.hardware.profile``). 0: none stated.
+
+    ``in_place_bytes``: of ``bytes_written``, those written over bytes the op read
+    (``x.mul_(c)``): a CPU's write-allocate cache reads every other written line from
+    memory first (a read for ownership), these not. 0: every write is to fresh memory.
     """
 
     id: OpId
@@ -176,6 +180,7 @@ class Compute:
     phase: Phase = Phase.OTHER
     reuse_bytes: int = 0
     working_set_bytes: int = 0
+    in_place_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,7 +56,7 @@ def _encode_value(value: Any) -> Any:
 
 # Op fields added after schedules were stored: written only when stated (not 0), so a
 # stored schedule's canonical form and hash stay the same.
-_OP_UNSTATED_OMITTED = {O.Compute: ("reuse_bytes", "working_set_bytes")}
+_OP_UNSTATED_OMITTED = {O.Compute: ("reuse_bytes", "working_set_bytes", "in_place_bytes")}
 
 
 def op_to_dict(op: O.Op) -> dict[str, Any]:

@@ -98,6 +98,9 @@ def _check_structure(program: Program, rank: int, world: int) -> list[Finding]:
                 if not 0 <= op.reuse_bytes <= op.bytes_read + op.bytes_written:
                     bad(f"reuse_bytes must be within 0..bytes_read + bytes_written "
                         f"({op.bytes_read + op.bytes_written}), got {op.reuse_bytes}", "size")
+                if not 0 <= op.in_place_bytes <= op.bytes_written:
+                    bad(f"in_place_bytes must be within 0..bytes_written ({op.bytes_written}), "
+                        f"got {op.in_place_bytes}", "size")
                 if op.working_set_bytes < 0:
                     bad(f"working_set_bytes must not be negative, got {op.working_set_bytes}", "size")
                 if op.gemm is not None and op.kind is O.ComputeKind.GEMM:

@@ -56,10 +56,11 @@ class ProgramBuilder:
 
     def compute(self, stream: str, label: str, kind: O.ComputeKind, flops: int, bytes_read: int,
                 bytes_written: int, gemm: O.GemmShape | None = None, deps: tuple[O.OpId, ...] = (),
-                buffers: tuple[str, ...] = (), reuse_bytes: int = 0, working_set_bytes: int = 0) -> O.OpId:
+                buffers: tuple[str, ...] = (), reuse_bytes: int = 0, working_set_bytes: int = 0,
+                in_place_bytes: int = 0) -> O.OpId:
         return self._device(O.Compute(self._id(), stream, label, kind, flops, bytes_read, bytes_written, gemm,
                                       _dedup(deps), buffers, phase=self.phase, reuse_bytes=reuse_bytes,
-                                      working_set_bytes=working_set_bytes))
+                                      working_set_bytes=working_set_bytes, in_place_bytes=in_place_bytes))
 
     def collective(self, stream: str, label: str, kind: O.CollectiveKind, size_bytes: int, dtype: O.DType,
                    group: tuple[int, ...], reduce_op: O.ReduceOp | None = None, root: int | None = None,

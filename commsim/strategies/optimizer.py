@@ -69,7 +69,8 @@ def adam_step(b: ProgramBuilder, stream: str, label: str, n: int, state: tuple[s
     assert impl in IMPLEMENTATIONS, impl
     if impl == "fused":
         b.host("launch", O.HostKind.LAUNCH, launch_ns)
-        b.compute(stream, label, O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n, deps=deps, buffers=state)
+        b.compute(stream, label, O.ComputeKind.OPTIMIZER, 12 * n, 16 * n, 12 * n, deps=deps, buffers=state,
+                  in_place_bytes=12 * n)  # param, exp_avg, exp_avg_sq updated where they are
         return
     temps = {"t1": f"{label}.t1", "t2": f"{label}.t2"}
     for name, flops, rd, wr, new in _TORCH_PASSES:
@@ -79,8 +80,9 @@ def adam_step(b: ProgramBuilder, stream: str, label: str, n: int, state: tuple[s
             bufs = state + (temps[new],)
         b.host("launch", O.HostKind.LAUNCH, launch_ns)
         reuse, ws = (_TORCH_REUSE[name] * n, TORCH_SINGLE_TENSOR_WORKING_SET_BYTES * n) if single_tensor else (0, 0)
+        # every pass but the two into a fresh temporary writes over an array it read
         b.compute(stream, f"{label}.{name}", O.ComputeKind.OPTIMIZER, flops * n, rd * n, wr * n, deps=deps,
-                  buffers=bufs, reuse_bytes=reuse, working_set_bytes=ws)
+                  buffers=bufs, reuse_bytes=reuse, working_set_bytes=ws, in_place_bytes=0 if new else wr * n)
         deps = ()
         if name == "denom_div":
             b.free(temps["t1"], stream, f"{label} t1")

@@ -126,6 +126,26 @@ def test_reused_bytes_are_priced_in_the_cache_when_the_working_set_fits():
         profile_from_dict({**PROFILE, "cache": {"bytes": 1 << 20}}, "p.json")
 
 
+def test_in_place_writes_skip_the_read_for_ownership_in_a_frameworks_cpu_run():
+    """The memory table timed copies (3 bytes moved for 2 counted): an op that states
+    in-place writes, run by a framework on CPUs, moves only what it counts; the executor
+    runs it as the table's copy, and a GPU writes without reading first."""
+    from tests.hardware.test_costs import PROFILE
+
+    def op(in_place):
+        return O.Compute(O.OpId(1), "c", "adam", O.ComputeKind.OPTIMIZER, 1000, 6000, 2000, in_place_bytes=in_place)
+
+    executor = profile_from_dict(PROFILE, "p.json")
+    framework = executor.run_by_framework()
+    gpu = profile_from_dict({**PROFILE, "backend": "nccl"}, "p.json").run_by_framework()
+    # 8000 B at 2 GB/s = 4000 ns as the copy moves them; in place: 8000 of 12000 moved (a
+    # framework's run has no executor kernel overhead: its launch host op prices dispatch)
+    assert framework.compute_ns(op(2000)) == 4000 * 8000 // 12000
+    assert framework.compute_ns(op(500)) == 4000 * 9500 // 12000  # 1500 B written fresh
+    assert framework.compute_ns(op(0)) == 4000
+    assert executor.compute_ns(op(2000)) == executor.compute_ns(op(0)) == gpu.compute_ns(op(2000)) == 1000 + 4000
+
+
 def test_a_frameworks_python_after_a_collective_is_priced_cold():
     """``cache.python_cold_factor``: a framework's Python (timed back to back) costs that
     factor more when a collective of its rank ran since its last Python; only where the

@@ -149,20 +149,22 @@ def test_stated_reuse_round_trips_and_unstated_reuse_is_not_written(tiny_schedul
     from commsim.ir.serialize import schedule_hash
 
     text = schedule_to_json(tiny_schedule)
-    assert "reuse_bytes" not in text and "working_set_bytes" not in text
+    assert "reuse_bytes" not in text and "working_set_bytes" not in text and "in_place_bytes" not in text
     prog = tiny_schedule.programs[0]
-    step = tuple(replace(op, reuse_bytes=12, working_set_bytes=4096) if isinstance(op, O.Compute) else op
-                 for op in prog.step)
+    step = tuple(replace(op, reuse_bytes=12, working_set_bytes=4096, in_place_bytes=min(4, op.bytes_written))
+                 if isinstance(op, O.Compute) else op for op in prog.step)
     stated = Schedule(tiny_schedule.world_size, (Program(prog.setup, step),), tiny_schedule.rank_program,
                       tiny_schedule.meta)
     obj = json.loads(schedule_to_json(stated))
     fwd = next(op for op in obj["programs"][0]["step"] if op["op"] == "compute")
     assert (fwd["reuse_bytes"], fwd["working_set_bytes"]) == (12, 4096)
+    assert fwd["in_place_bytes"] == min(4, fwd["bytes_written"])
     assert schedule_from_json(schedule_to_json(stated)) == stated
     assert schedule_from_text(schedule_to_text(stated)) == stated
     assert schedule_hash(stated) != schedule_hash(tiny_schedule)
     # stated as 0 is unstated: the same document and hash as without the fields
     zero = Schedule(tiny_schedule.world_size, (Program(prog.setup, tuple(
-        replace(op, reuse_bytes=0, working_set_bytes=0) if isinstance(op, O.Compute) else op for op in prog.step)),),
+        replace(op, reuse_bytes=0, working_set_bytes=0, in_place_bytes=0) if isinstance(op, O.Compute) else op
+        for op in prog.step)),),
         tiny_schedule.rank_program, tiny_schedule.meta)
     assert schedule_to_json(zero) == text and schedule_hash(zero) == schedule_hash(tiny_schedule)

@@ -181,3 +181,6 @@ def test_stated_reuse_must_be_within_the_op_s_traffic():
     assert findings(161, 0) == [("size", "reuse_bytes must be within 0..bytes_read + bytes_written (160), got 161")]
     assert findings(-1, 0) == [("size", "reuse_bytes must be within 0..bytes_read + bytes_written (160), got -1")]
     assert findings(40, -8) == [("size", "working_set_bytes must not be negative, got -8")]
+    in_place = O.Compute(O.OpId(1), "compute", "adam", O.ComputeKind.OPTIMIZER, 8, 100, 60, in_place_bytes=61)
+    assert [(f.check, f.message) for f in validate(Schedule.from_rank_programs([Program((), (in_place,))]))] == [
+        ("size", "in_place_bytes must be within 0..bytes_written (60), got 61")]

@@ -65,6 +65,8 @@ def test_single_tensor_adamw_states_what_each_pass_reuses():
     assert [op.bytes_read + op.bytes_written for op in w] == [8 * k, 12 * k, 8 * k, 12 * k, 8 * k, 8 * k, 8 * k, 16 * k]
     assert [op.reuse_bytes for op in w] == [0, 0, 0, 12 * k, 4 * k, 4 * k, 8 * k, 16 * k]
     assert {op.working_set_bytes for op in w} == {24 * k}
+    # every pass writes over an array it read but the two into fresh temporaries
+    assert [op.in_place_bytes for op in w] == [4 * k, 4 * k, 4 * k, 4 * k, 0, 0, 4 * k, 4 * k]
     assert [op.reuse_bytes for op in ops[8:]] == [0, 0, 0, 120, 40, 40, 80, 160]
     launches = [op.duration_ns for op in b.step if isinstance(op, O.HostWork)]
     assert launches == [150] * 16  # each op a DTensor's
