@@ -50,7 +50,8 @@ def test_a_folder_predicted_again_against_its_measurement(tmp_path):
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("DS small z2"))
     pred, meas, err = re.match(r"DS small z2\s+2\s+([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)%", line).groups()
     assert float(meas) == 0.8  # the median of the measured steps, warm-up left out
-    assert float(err) == round((float(pred) - 0.8) / 0.8 * 100, 1)
+    # the error of the unrounded prediction: within the printed figures' rounding of it
+    assert abs(float(err) - (float(pred) - 0.8) / 0.8 * 100) <= 0.05 + 0.0005 / 0.8 * 100
     assert "phases: forward" in out.stdout and out.stdout.rstrip().splitlines()[-2].startswith("median |error|")
     # the heap's fresh pages beside the run's faults, the warm-up steps left out
     pages = re.search(r"fresh pages, MiB a step \(predicted / measured\): forward (\d+) / 0, backward (\d+) / 1, "
