@@ -41,9 +41,10 @@ from commsim.sim.host_heap import HostHeap, rehearsed_heap
 from commsim.sim.network import FluidNetwork
 from commsim.sim.rank import RankSim
 from commsim.sim.records import HOST, HostBlock, OpRecord, RankResult, SimConfig, SimResult, sample_spans, stall_kind
+from commsim.sim.warmup import SETTLE_MAX_STEPS, plan_warmup
 
-__all__ = ["HOST", "SETTLE_MAX_STEPS", "HostBlock", "OpRecord", "RankResult", "SimConfig", "SimResult", "Simulator", "simulate",
-           "rank_noise", "NOISE_SAMPLES"]
+__all__ = ["HOST", "SETTLE_MAX_STEPS", "HostBlock", "OpRecord", "RankResult", "SimConfig", "SimResult", "Simulator",
+           "simulate", "rank_noise", "NOISE_SAMPLES"]
 
 
 class _Rendezvous:
@@ -110,6 +111,7 @@ class Simulator:
         self.cpus: dict[int, CpuScheduler] = {}
         self.cpu_sharing = ""
         self.rank_kind: type[RankSim] = CpuRank if platform.inline_kernels else GpuRank
+        self.platform_runs_kernels_inline = platform.inline_kernels  # a CPU: no caching allocator to settle
         self.warm: RankSim | None = None  # set by run(): the warmed-up rank every rank started from
         self.sims: dict[int, RankSim] = {}
         if platform.time_sliced and mode == "per-rank":
@@ -296,39 +298,10 @@ class Simulator:
         """Simulate the step. ``warm_from``: a warmed-up rank of an earlier run of the same
         schedule and costs (``self.warm``), so that seeded repeats skip the warm-up."""
         sims = {r: self.rank_kind(self, r) for r in sorted(self.ranks)}
-        warmup, settle_max = self.config.warmup_steps, 0
-        if warmup is None:  # until the caching allocator settles (GPUs), else one step
-            warmup, settle_max = (1, 0) if self.rank_kind is CpuRank else (1, SETTLE_MAX_STEPS)
-            if self.mode == "per-rank" and not self.symmetric_ok:
-                # ranks of programs of their own: nothing says how many steps each needs
-                # while every rank must run as many (else collectives meet another
-                # step's): one, the measured step's own check says whether it settled
-                settle_max = 0
-        warm = None
-        warmed = 0  # warm-up steps the rank(s) started from had run
-        single = len(self.schedule.programs) == 1
-        if self.mode == "per-rank" and warmup and warm_from is not None and single:
-            warm, warmup, settle_max = warm_from, 0, 0
-            warmed = warm_from.warmup_run + 1
-        elif self.mode == "per-rank" and warmup and (single or settle_max):
-            # Identical programs reach the same allocator state: simulate the warm-up
-            # once (symmetric, no jitter) and start every rank from a copy of it.
-            steps = warmup
-            if settle_max:
-                # how many steps the allocator takes to settle (rank 0's program): every
-                # rank runs as many, or its collectives would meet another step's
-                _, probe = self._symmetric(None)
-                if probe.oom is not None:
-                    return probe
-                steps = probe.warmup_steps
-            if single:
-                pre, pre_result = self._symmetric(steps - 1)
-                if pre_result.oom is not None:
-                    return pre_result
-                warm, warmed, warmup = pre.sims[0], steps, 0
-            else:
-                warmup = steps
-            settle_max = 0
+        plan = plan_warmup(self, warm_from)
+        if isinstance(plan, SimResult):
+            return plan
+        warm, warmup, settle_max, warmed = plan.warm, plan.warmup, plan.settle_max, plan.warmed
         self.warm = warm  # the rank every rank started from (None: each warmed up itself)
         self.sims = sims
         try:
@@ -363,7 +336,7 @@ class Simulator:
                          rank_stalls=(self.rank_stalls.rate_per_s, self.rank_stalls.loss))
 
 
-    def _symmetric(self, warmup_steps: int | None) -> tuple["Simulator", SimResult]:
+    def symmetric_run(self, warmup_steps: int | None) -> tuple["Simulator", SimResult]:
         """A symmetric, noise-free run of this schedule with ``warmup_steps`` warm-up
         steps (None: until the allocator settles), and its result (an out-of-memory one
         in this simulator's mode)."""
@@ -404,13 +377,6 @@ def rank_noise(cost: CostModel, config: SimConfig) -> tuple[float, int]:
         raise ValueError(f"rank noise sd {sd}, correlation {corr} ns: the sd must be >= 0 and, "
                          "when it is not 0, the correlation time > 0")
     return (float(sd), int(corr)) if sd else (0.0, 0)
-
-
-# The most steps a GPU simulation warms up for while its caching allocator has not
-# settled (SimConfig.warmup_steps None): every step before the measured one is one more
-# step's simulation. Two keep a prediction within 1.5x the cost of a one-step warm-up
-# (bench/sim_speed.py: a third took the 1024-GPU symmetric step to 1.96x).
-SETTLE_MAX_STEPS = 2
 
 
 # Step times of a noisy prediction: the median of this many seeded steps (seeds seed,

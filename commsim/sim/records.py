@@ -53,7 +53,7 @@ class SimConfig:
     # measured step warm, as in steady-state training. None: until the allocator has
     # settled (GPU platforms): a step that still adds a segment (a cudaMalloc or a
     # flush) is not steady state and the next one is measured instead, up to
-    # engine.SETTLE_MAX_STEPS; CPU platforms warm up one step, as the executor does.
+    # warmup.SETTLE_MAX_STEPS; CPU platforms warm up one step, as the executor does.
     warmup_steps: int | None = None
 
 
