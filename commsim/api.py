@@ -62,6 +62,9 @@ class Scenario:
     # each rank's full garbage collections, "PERIOD_STEPS:PAUSE_MS[:aligned|independent]"
     # (commsim.sim.host_gc); None: none, as a loop that turned the collector off
     host_gc: str | None = None
+    # steps simulated before the measured one; None: until the caching allocator settles
+    # (GPUs, at most sim.warmup.SETTLE_MAX_STEPS), one on CPUs
+    warmup_steps: int | None = None
     host_costs: Any = None  # HostCosts overriding the defaults / the profile's measured ones
     # how many times as long the GPU host's CPU takes for each host routine as the core
     # the host costs were measured on (Schedule.with_host_time_scaled); 1.0: as measured
@@ -320,6 +323,10 @@ def predict(sc: Scenario) -> Prediction:
                     "optimizer's (memory-bound) excepted",)
     if sc.jitter is not None and sc.jitter < 0:
         raise CommsimInputError(f"--jitter {sc.jitter}: must be >= 0")
+    if sc.warmup_steps is not None and (isinstance(sc.warmup_steps, bool) or not isinstance(sc.warmup_steps, int)
+                                        or sc.warmup_steps < 0):
+        raise CommsimInputError(f"--warmup-steps {sc.warmup_steps!r}: an integer >= 0, the steps simulated before "
+                                "the measured one")
     if sc.host_jitter is not None and not 0 <= sc.host_jitter < 1:
         raise CommsimInputError(f"--host-jitter {sc.host_jitter}: a relative standard deviation in [0, 1)")
     try:
@@ -331,7 +338,7 @@ def predict(sc: Scenario) -> Prediction:
         raise CommsimInputError("--host-heap: models a framework's tensors on CPUs; it needs a CPU (gloo) "
                                 "--hw-profile and --runner framework")
     config = SimConfig(mode=sc.mode, seed=sc.seed, jitter=sc.jitter, host_heap=sc.host_heap,
-                       host_jitter=sc.host_jitter, host_gc=host_gc)
+                       host_jitter=sc.host_jitter, host_gc=host_gc, warmup_steps=sc.warmup_steps)
     try:
         sim = Simulator(schedule, cost, config)
     except ValueError as e:
@@ -400,7 +407,7 @@ def scenario_from_args(args: Any) -> Scenario:
         knobs=tuple(args.knob or ()), ds_config=args.ds_config, micro_batch=args.micro_batch, seq=args.seq,
         checkpointing=not args.no_checkpointing, checkpoint_style=args.checkpoint_style, schedule=args.schedule, hw_profile=args.hw_profile,
         mode=args.mode, seed=args.seed, jitter=args.jitter, host_jitter=getattr(args, "host_jitter", None),
-        host_gc=getattr(args, "host_gc", None),
+        host_gc=getattr(args, "host_gc", None), warmup_steps=getattr(args, "warmup_steps", None),
         extrapolate=getattr(args, "extrapolate", False),
         runner=getattr(args, "runner", "framework"), host_heap=getattr(args, "host_heap", False),
         host_scale=getattr(args, "host_scale", 1.0),

@@ -439,6 +439,15 @@ def test_predict_json_echoes_the_values_it_used(tmp_path):
     assert (sc["net"], sc["stage"], sc["gpus_per_node"], sc["micro_batch"]) == ("ib", 1, 4, 2)
 
 
+def test_warmup_steps_sets_how_many_steps_run_before_the_measured_one():
+    res = predict_json("--model", "tiny", "--nodes", "1", "--seq", "16", "--warmup-steps", "3")
+    assert (res["scenario"]["warmup_steps"], res["warmup_steps"]) == (3, 3)
+    assert predict_json("--model", "tiny", "--nodes", "1", "--seq", "16")["scenario"]["warmup_steps"] is None
+    out = run("predict", "--model", "tiny", "--nodes", "1", "--seq", "16", "--warmup-steps", "-1")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "commsim: error: --warmup-steps -1: an integer >= 0, the steps simulated before the measured one"]
+
+
 def test_more_gpus_per_node_than_the_preset_is_a_warned_what_if():
     out = run("predict", "--model", "tiny", "--nodes", "1", "--gpus-per-node", "16", "--micro-batch", "2",
               "--seq", "16")

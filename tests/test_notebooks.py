@@ -18,7 +18,7 @@ SMALL = {
     # outweighs its communication stalls), so it no longer tells the seed's story
     "01_efa_vs_infiniband.ipynb": {"MODEL": "roberta-10b", "NODES": 2},
     "02_ablation.ipynb": {"MODELS": ["roberta-base"], "NODES": 2},
-    "03_allocator_flushes.ipynb": {"SEEDS": 3, "MICRO_BATCHES": [24, 28]},
+    "03_allocator_flushes.ipynb": {"SEEDS": 3, "MICRO_BATCHES": [24, 28], "WARMUP_STEPS_MAX": 1},
     "04_predicted_vs_measured.ipynb": {"ROWS": ["small_z3_opt", "small_z2", "small_z3_baseline",
                                                 "small_z3_opt_slow_link", "small_z3_opt_fast_link"]},
     "05_tuning.ipynb": {"MODEL": "roberta-large", "NODES": 2,

@@ -124,7 +124,7 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    "across nodes when it measured one node) from its nearest measured group, with a warning, instead "
                    "of refusing the scenario")
     if not simulation:  # symmetric simulation, as the search compares configs, not noise
-        p.set_defaults(mode="auto", seed=0, jitter=None, host_jitter=None, host_gc=None)
+        p.set_defaults(mode="auto", seed=0, jitter=None, host_jitter=None, host_gc=None, warmup_steps=None)
         return
     p.add_argument("--mode", choices=("auto", "symmetric", "per-rank"), default="auto",
                    help="symmetric: simulate one rank for identical ranks (fast); per-rank: every rank, with "
@@ -133,6 +133,10 @@ def add_hardware_flags(p: argparse.ArgumentParser, simulation: bool = True) -> N
                    "the profile measured no drift, then per-rank if the caching allocator flushed and there are at "
                    "most 64 ranks, since each rank's flush stalls the collectives it joins)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-rank jitter RNG (default 0)")
+    p.add_argument("--warmup-steps", type=int, metavar="N",
+                   help="simulate exactly N steps before the measured one (default: on GPUs until the caching "
+                   "allocator settles, a step that still adds a segment being measured again, for at most 2 "
+                   "warm-up steps; on CPUs 1). More shows how the pool grows over a longer run")
     p.add_argument("--jitter", type=float,
                    help="relative std-dev of compute kernel times per rank (default 0.01 per-rank, 0 symmetric)")
     p.add_argument("--host-jitter", type=float, metavar="SD",
