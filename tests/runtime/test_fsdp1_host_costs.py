@@ -68,18 +68,3 @@ def test_every_fsdp1_hook_is_charged_the_fsdp1_figure(ckpt):
     # pre- and post-forward
     assert len(hooks) == 4 * (blocks + 1) + 1 + (2 * blocks if ckpt else 0)
     assert {op.duration_ns for op in hooks} == {123_456}
-
-
-def test_calibrate_puts_fsdp1s_figure_in_the_profile(tmp_path, monkeypatch):
-    import runtime.fsdp1_host_costs as F
-    import runtime.launch as L
-
-    def fake_local(nproc, backend, out, quick=False, shapes=()):
-        Path(out).write_text(json.dumps({"host_costs": {"launch_ns": 2600, "source": "launches timed"}}))
-
-    monkeypatch.setattr(L, "calibrate_local", fake_local)
-    monkeypatch.setattr(F, "measure_for_profile", lambda log: {"fsdp1_hook_ns": 190_000, "source": "FSDP1 timed"})
-    out = tmp_path / "p.json"
-    L.calibrate(str(out), fsdp1_host_costs=True)
-    assert json.loads(out.read_text())["host_costs"] == {"launch_ns": 2600, "fsdp1_hook_ns": 190_000,
-                                                         "source": "launches timed; FSDP1 timed"}

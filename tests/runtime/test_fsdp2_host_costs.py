@@ -103,19 +103,24 @@ def test_every_fsdp2_hook_is_charged_the_fsdp2_figure():
         assert {op.duration_ns for op in hooks} == {123_456}
 
 
-def test_calibrate_puts_fsdp2s_figure_in_the_profile(tmp_path, monkeypatch):
-    import runtime.fsdp2_host_costs as F
+@pytest.mark.parametrize("fw", ["fsdp1", "fsdp2"])
+def test_calibrate_puts_the_fsdp_hook_figure_in_the_profile(fw, tmp_path, monkeypatch):
+    import importlib
+
     import runtime.launch as L
+
+    F = importlib.import_module(f"runtime.{fw}_host_costs")
 
     def fake_local(nproc, backend, out, quick=False, shapes=()):
         Path(out).write_text(json.dumps({"host_costs": {"launch_ns": 2600, "source": "launches timed"}}))
 
     monkeypatch.setattr(L, "calibrate_local", fake_local)
-    monkeypatch.setattr(F, "measure_for_profile", lambda log: {"fsdp2_hook_ns": 190_000, "source": "FSDP2 timed"})
+    monkeypatch.setattr(F, "measure_for_profile",
+                        lambda log: {f"{fw}_hook_ns": 190_000, "source": f"{fw.upper()} timed"})
     out = tmp_path / "p.json"
-    L.calibrate(str(out), fsdp2_host_costs=True)
-    assert json.loads(out.read_text())["host_costs"] == {"launch_ns": 2600, "fsdp2_hook_ns": 190_000,
-                                                         "source": "launches timed; FSDP2 timed"}
+    L.calibrate(str(out), **{f"{fw}_host_costs": True})
+    assert json.loads(out.read_text())["host_costs"] == {"launch_ns": 2600, f"{fw}_hook_ns": 190_000,
+                                                         "source": f"launches timed; {fw.upper()} timed"}
 
 
 def test_calibrate_under_a_launcher_refuses_to_time_fsdp2(tmp_path, monkeypatch):
