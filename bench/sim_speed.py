@@ -20,6 +20,7 @@ thousands of.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 from commsim.api import Scenario, build_schedule, predict
@@ -49,19 +50,24 @@ def main() -> None:
                 print(f"{gpus:>6} {mode:<10} {'':>7} {'skipped':>8}   (over --max-per-rank {args.max_per_rank})")
                 continue
             sim = Simulator(sched, cost, SimConfig(mode=mode))
+            gc.collect()  # the last run's millions of objects: not this one's collector work
             t = time.perf_counter()
             res = sim.run()
             sim_s = time.perf_counter() - t
-            # ops simulated: the warm-up step once (per-rank mode copies its memory state
-            # to every rank), then the measured step on every simulated rank
-            n = len(sched.program_of(0).step)
-            ops = 0 if res.step_time_ns == 0 else n + len(res.ranks) * n
+            # ops simulated: symmetric, the w warm-up steps and the measured one; per-rank,
+            # the symmetric probe of how many (w + 1 steps) and the warm-up every rank
+            # starts from (w steps: sim.warmup), then the measured step on every rank
+            n, w = len(sched.program_of(0).step), res.warmup_steps
+            ops = 0 if res.step_time_ns == 0 else ((w + 1) * n if mode == "symmetric" else
+                                                   (2 * w + 1) * n + len(res.ranks) * n)
             step = "OOM" if res.oom else f"{res.step_time_ns / 1e9:.3f}"
             print(f"{gpus:>6} {mode:<10} {gen_s:>7.2f} {sim_s:>8.2f} {ops:>11,} {ops / sim_s if ops else 0:>10,.0f} {step:>8}",
                   flush=True)
+            del sim, res
     print(f"\n{'preset':<10} {'predict s':>9} {'step s':>8}   (roberta-10b, 8 p4d nodes, EFA: schedule + simulation + "
           "metrics)", flush=True)
     for preset in ("optimized", "baseline", "current"):
+        gc.collect()
         t = time.perf_counter()
         m = predict(Scenario(model="roberta-10b", nodes=8, net="efa", preset=preset)).metrics
         print(f"{preset:<10} {time.perf_counter() - t:>9.2f} {m.step_time_s:>8.3f}", flush=True)

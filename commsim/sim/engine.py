@@ -111,7 +111,6 @@ class Simulator:
         self.cpus: dict[int, CpuScheduler] = {}
         self.cpu_sharing = ""
         self.rank_kind: type[RankSim] = CpuRank if platform.inline_kernels else GpuRank
-        self.platform_runs_kernels_inline = platform.inline_kernels  # a CPU: no caching allocator to settle
         self.warm: RankSim | None = None  # set by run(): the warmed-up rank every rank started from
         self.sims: dict[int, RankSim] = {}
         if platform.time_sliced and mode == "per-rank":

@@ -48,7 +48,7 @@ def plan_warmup(sim: "Simulator", warm_from: "RankSim | None") -> "WarmupPlan | 
     of memory. ``warm_from``: a warmed-up rank of an earlier run of the same schedule."""
     warmup, settle_max = sim.config.warmup_steps, 0
     if warmup is None:
-        warmup, settle_max = (1, 0) if sim.platform_runs_kernels_inline else (1, SETTLE_MAX_STEPS)
+        warmup, settle_max = (1, 0) if sim.cost.platform.inline_kernels else (1, SETTLE_MAX_STEPS)
         if sim.mode == "per-rank" and not sim.symmetric_ok:
             settle_max = 0  # one: the measured step's own check says whether it settled
     single = len(sim.schedule.programs) == 1
