@@ -2,7 +2,7 @@
 
 * GEMMs (``mm``, ``addmm``, the batched ``bmm`` of attention) by shape: the main loop
   runs at the peak of the training precision times the ceiling large GEMMs reach
-  (``GpuSpec.gemm_max_efficiency``, G1), times wave quantisation (128x128 output tiles
+  (``GpuSpec.gemm_max_efficiency``, G2 / G4, G1 on H100), times wave quantisation (128x128 output tiles
   spread over the SMs: a GEMM of fewer tiles than a whole number of waves leaves SMs
   idle), times a misalignment loss when a leading dimension (n or k of C[m, n] =
   A[m, k] B[k, n], row-major as PyTorch stores them) is not a multiple of 16 bytes'

@@ -35,10 +35,14 @@ class GpuSpec:
     hbm_bytes: int
     hbm_bw_bytes_per_s: float
     sm_count: int
-    # Fraction of the tensor peak that large, well-shaped GEMMs reach (G1: mamf-finder's
-    # best bf16 matmul, A100 SXM 271.2 of 312 = 0.87, H100 SXM 794.5 of 989 = 0.80). The
+    # Fraction of the tensor peak that large, well-shaped GEMMs sustain: a large square
+    # GEMM's rate, where waves and the output's write no longer matter. A100: G2's
+    # cuBLASLt 16384^3, 256.5 of 312 = 0.822 (G1's 271.2 is mamf-finder's best over a
+    # search of shapes, which no one shape of a model's is promised: 5.7% above it).
+    # V100: G4's 8192^3 (below). H100: no large square figure is at hand: G1's best,
+    # 794.5 of 989 = 0.80, which X2's one-wave GEMM at "80% MFU" alone agrees with. The
     # kernel model lowers it for small or odd shapes (gpu_kernels.py).
-    gemm_max_efficiency: float = 0.87
+    gemm_max_efficiency: float = 256.5 / 312
     # Fractions of HBM bandwidth that memory-bound kernels reach, by class:
     # elementwise / copies (M1: STREAM triad, A100-80GB 1.70 of 2.039 TB/s = 0.83,
     # H100 2.97 of 3.35 = 0.89); LayerNorm (M2: plain torch.nn.LayerNorm about 715 GB/s
@@ -139,7 +143,7 @@ class ClusterSpec:
 # whitepapers (V100 80, A100 108, H100 SXM 132).
 # Kernel-class efficiencies (G1, M1-M3, G3) were measured on A100 and H100; the H200
 # (the H100's chip) takes the H100's, the V100 the A100's where it has no figure of its own.
-_HOPPER = dict(gemm_max_efficiency=0.80, hbm_efficiency=0.89, flash_attention_efficiency=327.9 / 989)
+_HOPPER = dict(gemm_max_efficiency=794.5 / 989, hbm_efficiency=0.89, flash_attention_efficiency=327.9 / 989)
 _AMPERE = dict(flash_attention_efficiency=179.5 / 312)
 # Memory: what the driver offers a process. A datasheet's "80GB" are GiB of HBM, of which
 # the driver keeps a sliver: an H100 80GB HBM3 shows 81559 MiB (of 81920) in nvidia-smi

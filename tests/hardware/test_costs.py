@@ -40,12 +40,12 @@ def test_gemm_main_loop_by_wave_quantisation_and_its_output_after_it():
     m = SpecCostModel(cluster_preset("p4d", 1))
     bw = 1555e9 * 0.83  # A100-40GB HBM at M1's STREAM fraction
     big = gemm(8192, 8192, 8192)
-    # 64 x 64 = 4096 tiles over 108 SMs: 38 waves, 99.8% wave efficiency; G1's ceiling 0.87
-    main = 2 * 8192**3 / (312e12 * 0.87 * (4096 / (38 * 108)))
+    # 64 x 64 = 4096 tiles over 108 SMs: 38 waves, 99.8% wave efficiency; G2's ceiling 256.5 / 312
+    main = 2 * 8192**3 / (312e12 * (256.5 / 312) * (4096 / (38 * 108)))
     assert m.compute_ns(big) == 4000 + int((main + big.bytes_written / bw) * 1e9)
     small = gemm(256, 256, 8192)
     # 4 tiles on 108 SMs: 4/108 efficiency
-    main = 2 * 256 * 256 * 8192 / (312e12 * 0.87 * 4 / 108)
+    main = 2 * 256 * 256 * 8192 / (312e12 * (256.5 / 312) * 4 / 108)
     assert m.compute_ns(small) == 4000 + int((main + small.bytes_written / bw) * 1e9)
     # attention's score bmm: its output (the scores) is large beside its flops (G3)
     score, av = gemm(2048, 2048, 256, 64), gemm(2048, 256, 2048, 64)
