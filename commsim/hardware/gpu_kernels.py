@@ -2,13 +2,14 @@
 
 * GEMMs (``mm``, ``addmm``, the batched ``bmm`` of attention) by shape: the main loop
   runs at the peak of the training precision times the ceiling large GEMMs reach
-  (``GpuSpec.gemm_max_efficiency``, G2 / G4, G1 on H100), times wave quantisation (128x128 output tiles
-  spread over the SMs: a GEMM of fewer tiles than a whole number of waves leaves SMs
-  idle), times a misalignment loss when a leading dimension (n or k of C[m, n] =
-  A[m, k] B[k, n], row-major as PyTorch stores them) is not a multiple of 16 bytes'
-  worth of elements (cuBLAS then cannot use its vectorised tensor-core kernels, G5); or
-  slower, if reading its inputs from HBM takes longer. Each output tile is stored after
-  its main loop (the epilogue), so writing the output adds to that time: the small-k
+  (``GpuSpec.gemm_max_efficiency``: a large square GEMM's rate, from G2, G4 and this
+  workplace's H100 / H200), times wave quantisation (128x128 output tiles spread over
+  the SMs: a GEMM of fewer tiles than a whole number of waves leaves SMs idle), times a
+  misalignment loss when a leading dimension (n or k of C[m, n] = A[m, k] B[k, n],
+  row-major as PyTorch stores them) is not a multiple of 16 bytes' worth of elements
+  (cuBLAS then cannot use its vectorised tensor-core kernels, G5); or slower, if reading
+  its inputs from HBM takes longer. Each output tile is stored after its main loop (the
+  epilogue), so writing the output adds to that time: the small-k
   loss, large for the attention-score bmm whose output, the scores, is large beside its
   flops (G3: 130 TFLOPS at k = 256, against 219 for the AV bmm of the same flops).
   fp32 GEMMs run at the fp32 CUDA-core peak (PyTorch's

@@ -39,9 +39,10 @@ class GpuSpec:
     # GEMM's rate, where waves and the output's write no longer matter. A100: G2's
     # cuBLASLt 16384^3, 256.5 of 312 = 0.822 (G1's 271.2 is mamf-finder's best over a
     # search of shapes, which no one shape of a model's is promised: 5.7% above it).
-    # V100: G4's 8192^3 (below). H100: no large square figure is at hand: G1's best,
-    # 794.5 of 989 = 0.80, which X2's one-wave GEMM at "80% MFU" alone agrees with. The
-    # kernel model lowers it for small or odd shapes (gpu_kernels.py).
+    # V100: G4's 8192^3 (below). H100 and H200: this workplace's machines, 8192^3 bf16 on
+    # random data through PyTorch 2.11 (.library/device/KINDS.md): 798 (H100, 2026-11-13)
+    # and 788 (H200, 2026-10-28) of 989, where G1's best shape gives 794.5. The kernel
+    # model lowers it for small or odd shapes (gpu_kernels.py).
     gemm_max_efficiency: float = 256.5 / 312
     # Fractions of HBM bandwidth that memory-bound kernels reach, by class:
     # elementwise / copies (M1: STREAM triad, A100-80GB 1.70 of 2.039 TB/s = 0.83,
@@ -141,9 +142,10 @@ class ClusterSpec:
 # ---------------------------------------------------------------- GPUs
 # Peaks: NVIDIA datasheets (dense, no sparsity). SM counts: NVIDIA architecture
 # whitepapers (V100 80, A100 108, H100 SXM 132).
-# Kernel-class efficiencies (G1, M1-M3, G3) were measured on A100 and H100; the H200
-# (the H100's chip) takes the H100's, the V100 the A100's where it has no figure of its own.
-_HOPPER = dict(gemm_max_efficiency=794.5 / 989, hbm_efficiency=0.89, flash_attention_efficiency=327.9 / 989)
+# Kernel-class efficiencies (G2, M1-M3, G3) were measured on A100 and H100; the H200
+# (the H100's chip) takes the H100's but for its own GEMM figure, the V100 the A100's
+# where it has no figure of its own.
+_HOPPER = dict(hbm_efficiency=0.89, flash_attention_efficiency=327.9 / 989)
 _AMPERE = dict(flash_attention_efficiency=179.5 / 312)
 # Memory: what the driver offers a process. A datasheet's "80GB" are GiB of HBM, of which
 # the driver keeps a sliver: an H100 80GB HBM3 shows 81559 MiB (of 81920) in nvidia-smi
@@ -160,8 +162,10 @@ def _visible_bytes(datasheet_gb: int) -> int:
 
 A100_40 = GpuSpec("A100-SXM4-40GB", 312 * TERA, 19.5 * TERA, _visible_bytes(40), 1555 * GB, 108, **_AMPERE)
 A100_80 = GpuSpec("A100-SXM4-80GB", 312 * TERA, 19.5 * TERA, _visible_bytes(80), 2039 * GB, 108, **_AMPERE)
-H100 = GpuSpec("H100-SXM5-80GB", 989 * TERA, 67 * TERA, H100_VISIBLE_MIB * MIB, 3350 * GB, 132, **_HOPPER)
-H200 = GpuSpec("H200-SXM-141GB", 989 * TERA, 67 * TERA, _visible_bytes(141), 4800 * GB, 132, **_HOPPER)
+H100 = GpuSpec("H100-SXM5-80GB", 989 * TERA, 67 * TERA, H100_VISIBLE_MIB * MIB, 3350 * GB, 132,
+               gemm_max_efficiency=798 / 989, **_HOPPER)
+H200 = GpuSpec("H200-SXM-141GB", 989 * TERA, 67 * TERA, _visible_bytes(141), 4800 * GB, 132,
+               gemm_max_efficiency=788 / 989, **_HOPPER)
 # V100: G4's cuBLAS fp16 8192^3 reached 97.4 of 125 TFLOPS (0.78); it has no bf16 tensor
 # cores and bf16 matmuls are emulated at about 10 TFLOPS (G4).
 V100_32 = GpuSpec("V100-SXM2-32GB", 125 * TERA, 15.7 * TERA, _visible_bytes(32), 900 * GB, 80, gemm_max_efficiency=0.78,
