@@ -46,6 +46,7 @@ class Row:
     published_range: tuple[float, float] | None = None
     predicted_range: tuple[float, float] | None = None
     note: str = ""
+    sets: str = ""  # the constant this published figure set (SOURCES): calibration, not a check
 
     @property
     def error(self) -> float | None:
@@ -66,6 +67,45 @@ class Row:
         out["error"] = self.error
         out["in_range"] = self.in_range
         return out
+
+
+# The kernel and collective rows whose published figure a constant of commsim/hardware
+# was computed from (each constant's comment cites the item): their small errors show the
+# arithmetic, not the model, so the script also reports the other rows on their own.
+_P3DN_SLOPE = "EFA_P3DN latency, 36 us (the slope of the three 8 B rows)"
+_SOFTMAX = "SOFTMAX_BW_EFFICIENCY (the mean of the A100 and H100 rows)"
+_CHANNELS = "NCCL's 2 channels per NIC (nccl.py)"
+SOURCES: dict[tuple[str, str], str] = {
+    ("G2", "cuBLASLt fp16 16384x16384x16384"): "the A100's gemm_max_efficiency, 256.5 / 312",
+    ("G4", "V100 cuBLAS fp16 8192^3"): "the V100's gemm_max_efficiency, 97.4 / 125",
+    ("G4", "V100 bf16 (emulated) matmul"): "the V100's bf16_gemm_flops_per_s, 10 TFLOPS",
+    ("G3", "its dropout time"): "dropout_bw_efficiency, 0.72",
+    ("M1", "A100-80GB STREAM triad"): "the A100's hbm_efficiency, 1.70 / 2.039",
+    ("M1", "H100 STREAM triad"): "the H100's and H200's hbm_efficiency, 2.97 / 3.35",
+    ("M2", "torch.nn.LayerNorm 2048x2048"): "norm_bw_efficiency, 715 / 1555",
+    ("M3", "A100-80GB unfused attention, head dim 64"): _SOFTMAX,
+    ("M3", "H100 unfused attention, head dim 128"): _SOFTMAX,
+    ("N1", "all_reduce 8 B time"): "EFA_P4D latency, 20 us",
+    ("N1", "all_reduce 1 GiB time"): "EFA_P4D message_ns, 14.5 us (from the 1 and 2 GiB rows)",
+    ("N1", "all_reduce 2 GiB time"): "EFA_P4D message_ns, 14.5 us (from the 1 and 2 GiB rows)",
+    ("N6", "p4d all_reduce 4 GiB busbw"): "EFA efficiency, 0.85",
+    ("N8", "p3dn all_reduce 8 B 2 nodes time"): _P3DN_SLOPE,
+    ("N8", "p3dn all_reduce 8 B 4 nodes time"): _P3DN_SLOPE,
+    ("N8", "p3dn all_reduce 8 B 8 nodes time"): _P3DN_SLOPE,
+    ("I2", "DGX A100 multi-node all_reduce busbw"): "InfiniBand efficiency, 0.96",
+    ("X5", "SMs NCCL uses for one PCIe NIC"): _CHANNELS,
+    ("X5", "SMs NCCL uses for 8 NICs at 190 GB/s"): _CHANNELS,
+}
+
+
+def mark_sources(rows: list[Row], items: set[str]) -> None:
+    """Set each source row's ``sets``; every source of the ``items`` run must be there
+    (a renamed row would otherwise count as a check)."""
+    have = {(r.item, r.what): r for r in rows}
+    for key, what in SOURCES.items():
+        if key[0] in items:
+            assert key in have, f"SOURCES names a row the items did not produce: {key}"
+            have[key].sets = what
 
 
 @dataclass(frozen=True)
@@ -175,6 +215,20 @@ def summary(rows: list[Row], group: str) -> dict:
             "max_abs_error": max(errs) if errs else None, "items": len(errs)}
 
 
+def checks_only(rows: list[Row]) -> dict:
+    """The kernel and collective rows that set no constant: the figures that test the model."""
+    s = summary([r for r in rows if not r.sets], KC)
+    return {"checks_only": KC, "median_abs_error": s["median_abs_error"], "max_abs_error": s["max_abs_error"],
+            "items": s["items"], "sources": sum(1 for r in rows if r.sets and r.group == KC)}
+
+
+def checks_only_line(c: dict) -> str:
+    def pct(v: float | None) -> str:
+        return "n/a" if v is None else f"{100 * v:.1f}%"
+    return (f"{c['sources']} {c['checks_only']} rows set a constant ([sets: ...]); the other "
+            f"{c['items']}: median |error| = {pct(c['median_abs_error'])}  max |error| = {pct(c['max_abs_error'])}")
+
+
 def summary_line(s: dict) -> str:
     def pct(v: float | None) -> str:
         return "n/a" if v is None else f"{100 * v:.1f}%"
@@ -222,7 +276,7 @@ def print_table(rows: list[Row], skipped: list[Skipped]) -> None:
             pred = fmt(r.predicted)
         err = "-" if r.error is None else f"{100 * r.error:+.1f}%"
         print(f"{r.item:<4} {r.what:<46} {pub:>14} {pred:>24} {err:>8}  {r.unit:<10} {r.setup}"
-              + (f"  [{r.note}]" if r.note else ""))
+              + (f"  [{r.note}]" if r.note else "") + (f"  [sets: {r.sets}]" if r.sets else ""))
     if skipped:
         print("\nskipped (not expressible today):")
         for s in skipped:

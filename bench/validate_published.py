@@ -1,8 +1,8 @@
 """Published GPU measurements predicted from public specs alone: today's errors.
 
-    python bench/validate_published.py                # every item: table, skipped list, per family, two summary lines
+    python bench/validate_published.py                # every item: table, skipped list, per family, checks, two summaries
     python bench/validate_published.py --only N1,G3   # some items (ids of ../shared/reference/published-runs.md)
-    python bench/validate_published.py --json         # one JSON object per row, skipped number, family, summary
+    python bench/validate_published.py --json         # one JSON object per row, skipped number, family, checks, summary
 
 Every quantitative item of published-runs.md that commsim can express is predicted from
 the presets of ``commsim/hardware/specs.py`` as they stand (no constant is set here to
@@ -27,7 +27,10 @@ error = (predicted - published) / published. Where the published figure is a ran
 midpoint is compared; where the setup leaves something open (a micro-batch, say) the
 prediction is a range over it, its midpoint compared and the row says whether the
 published figure lies inside. Then each family's median and max |error| (N, I, G, M,
-X, and each end-to-end item on its own: README.md's table), and two lines:
+X, and each end-to-end item on its own: README.md's table); how many kernel and
+collective rows set a constant (``published_rows.SOURCES``: a constant of
+commsim/hardware was computed from that figure, so its row is marked ``[sets: ...]``
+and is calibration, not a check) and the |error| of the others; and two lines:
 
     kernels+collectives: median |error| = X%  max |error| = Y%  items = N
     end-to-end: median |error| = X%  max |error| = Y%  items = N
@@ -52,8 +55,9 @@ from published_collectives import (busbw_gb_per_s, busbw_row, collective, i1, i2
                                    n7, n8)
 from published_e2e import ds, e1, e2, e2_phases, e3, e4, e5, phase_times_ms  # noqa: E402
 from published_kernels import g1, g2, g3, g4, g5, m1, m2, m3, x1, x2, x3, x5, x6  # noqa: E402
-from published_rows import (AG, AR, E2E, KC, RS, Row, Skipped, family_summaries, print_families,  # noqa: E402
-                            print_table, range_row, summary, summary_line, write_config)
+from published_rows import (AG, AR, E2E, KC, RS, Row, Skipped, checks_only, checks_only_line,  # noqa: E402
+                            family_summaries, mark_sources, print_families, print_table, range_row, summary,
+                            summary_line, write_config)
 
 # Read from this module by tests/test_validate_published.py and by ad-hoc scripts.
 __all__ = ["AG", "AR", "E2E", "ITEMS", "KC", "KNOWN", "RS", "Row", "SKIPPED", "busbw_gb_per_s", "busbw_row",
@@ -126,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         for item in ITEMS:
             if item in wanted:
                 rows.extend(ITEMS[item](Path(tmp)))
+    mark_sources(rows, {i for i in ITEMS if i in wanted})
     skipped = [s for s in SKIPPED if s.item in wanted]
     sums = [summary(rows, KC), summary(rows, E2E)]
+    checks = checks_only(rows)
     fams = family_summaries(rows)
     if args.json:
         for r in rows:
@@ -136,11 +142,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"item": s.item, "what": s.what, "skipped": s.reason}))
         for f in fams:
             print(json.dumps(f))
+        print(json.dumps(checks))
         for s in sums:
             print(json.dumps(s))
         return 0
     print_table(rows, skipped)
     print_families(fams)
+    print(checks_only_line(checks))
     for s in sums:
         print(summary_line(s))
     return 0

@@ -66,6 +66,10 @@ def test_script_prints_rows_skips_and_two_summary_lines():
                         lines[-2]), lines[-2]
     assert lines[-1] == "end-to-end: median |error| = n/a  max |error| = n/a  items = 0"
     assert sum(line.startswith("N1 ") for line in lines) == 13
+    # N1's 8 B, 1 GiB and 2 GiB rows and X5's two set constants: marked, and left out of the checks
+    assert sum("  [sets: " in line for line in lines) == 5
+    assert re.fullmatch(r"5 kernels\+collectives rows set a constant \(\[sets: \.\.\.\]\); the other 10: "
+                        r"median \|error\| = \d+\.\d%  max \|error\| = \d+\.\d%", lines[-3]), lines[-3]
     assert any(line.strip().startswith("N5 ") for line in lines)  # skipped, with its reason
     # per family, from the same rows: N1's 13 and X5's 2 (the skipped N5 counts nowhere)
     fam = lines[lines.index("by family (|error| of each row; a range row compares the middle of its range):") + 1:]
@@ -81,6 +85,12 @@ def test_json_rows_and_unknown_item():
     for o in rows:
         assert o["error"] == (o["predicted"] - o["published"]) / o["published"]
     assert [o["summary"] for o in objs if "summary" in o] == ["kernels+collectives", "end-to-end"]
+    (checks,) = [o for o in objs if "checks_only" in o]
+    assert [o["what"] for o in rows if o["sets"]] == ["all_reduce 8 B time", "all_reduce 1 GiB time",
+                                                       "all_reduce 2 GiB time"]
+    left = sorted(abs(o["error"]) for o in rows if not o["sets"])
+    assert checks == {"checks_only": "kernels+collectives", "median_abs_error": (left[4] + left[5]) / 2,
+                      "max_abs_error": left[-1], "items": 10, "sources": 3}
     (fam,) = [o for o in objs if "family" in o]
     errs = sorted(abs(o["error"]) for o in rows)
     assert fam == {"family": "N", "median_abs_error": errs[6], "max_abs_error": errs[-1], "items": 13}
