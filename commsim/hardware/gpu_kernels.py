@@ -9,10 +9,10 @@
   row-major as PyTorch stores them) is not a multiple of 16 bytes' worth of elements
   (cuBLAS then cannot use its vectorised tensor-core kernels, G5); or slower, if reading
   its inputs from HBM takes longer. Each output tile is stored after its main loop (the
-  epilogue), so writing the output adds to that time: the small-k
-  loss, large for the attention-score bmm whose output, the scores, is large beside its
-  flops (G3: 130 TFLOPS at k = 256, against 219 for the AV bmm of the same flops).
-  fp32 GEMMs run at the fp32 CUDA-core peak (PyTorch's
+  epilogue), so writing the output adds to that time: the small-k loss, large for the
+  attention-score bmm whose output, the scores, is large beside its flops (G3: 130
+  TFLOPS at k = 256, against 219 for the AV bmm of the same flops). fp32 GEMMs run at
+  the fp32 CUDA-core peak (PyTorch's
   ``torch.backends.cuda.matmul.allow_tf32`` is False since 1.12); precision "tf32" runs
   them on tensor cores at half the 16-bit peak. A GPU without bf16 tensor cores (V100)
   runs bf16 GEMMs at ``GpuSpec.bf16_gemm_flops_per_s`` whatever the shape.

@@ -26,6 +26,19 @@ import time
 from runtime.examples import gc_log
 
 
+def leave_without_teardown() -> None:
+    """Exit once every output is written, without the interpreter's teardown (the exit
+    handlers, commsim record's among them, run first): a thread of DeepSpeed's or
+    gloo's still joinable when C++ statics are destroyed aborts the process after its
+    work is done ("terminate called without an active exception", now and then on a
+    loaded 2-core machine even after destroy_process_group; seen in this runner and in
+    fsdp_train), and the launcher then reports a run that succeeded as failed."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def minor_faults() -> int:
     """This process's minor page faults so far (all its threads)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -188,13 +201,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Leave without the interpreter's teardown once every output is written (the exit
-    # handlers, commsim record's among them, run first): a thread of DeepSpeed's or
-    # gloo's still joinable when C++ statics are destroyed aborts the process after its
-    # work is done ("terminate called without an active exception", now and then on a
-    # loaded 2-core machine even after destroy_process_group), and the launcher then
-    # reports a run that succeeded as failed.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()

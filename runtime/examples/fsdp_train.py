@@ -20,16 +20,13 @@ rank's garbage collections (--gc-log, ``runtime.examples.gc_log``).
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import datetime
 import json
-import os
-import sys
 import time
 
 from runtime.examples import gc_log, records
-from runtime.examples.ds_train import minor_faults
+from runtime.examples.ds_train import leave_without_teardown, minor_faults
 
 
 def main() -> None:
@@ -232,11 +229,4 @@ def build_fsdp1(args: argparse.Namespace):
 
 if __name__ == "__main__":
     main()
-    # Leave without the interpreter's teardown once every output is written, as
-    # ds_train does: gloo's threads, still joinable when C++ statics are destroyed,
-    # aborted rank 1 after its last step under a loaded test run ("terminate called
-    # without an active exception"), and the launcher reported the run as failed.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()
