@@ -45,6 +45,7 @@ for p in (ROOT, ROOT / "bench"):
 from commsim.models import describe, resolve_model  # noqa: E402
 from commsim.models.eager import Eager  # noqa: E402
 
+from gpu_check import no_gpu, preset_for  # noqa: E402
 from published_rows import chain_time_ns, one_gpu, write_config  # noqa: E402
 
 # (h, d_ffs, token counts, layer-norm shapes (rows, width, dtype), scores shape)
@@ -53,17 +54,6 @@ GPU_SIZES = (4096, (10922, 10944), (2048, 8192, 16384),
 CPU_SIZES = (64, (170, 176), (32, 64), ((64, 64, "fp32"), (64, 128, "fp16")), (1, 2, 32, 32))
 REPEATS, WARMUP = 10, 3
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-
-
-def no_gpu() -> str | None:
-    """Why this machine cannot run the items (None: it can)."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed (pip install -r requirements-test.txt)"
-    if not torch.cuda.is_available():
-        return f"no CUDA GPU visible (torch {torch.__version__}, torch.cuda.is_available() is False); run it where one is"
-    return None
 
 
 class Timer:
@@ -173,8 +163,6 @@ def memory_bound(torch, dev: str, timer: Timer, cluster, ln_shapes, scores):
 
 def run(cpu: bool) -> list[tuple[str, dict]]:
     import torch
-
-    from gpu_check import preset_for
 
     dev = "cpu" if cpu else "cuda"
     name = "H100 (CPU rehearsal)" if cpu else torch.cuda.get_device_name()
