@@ -23,9 +23,10 @@ kernel list: ``commsim.models``, priced by the spec cost model of the GPU's pres
 * ``softmax`` and ``dropout``: one pass each over G3's fp16 scores, and their backward.
 
 Each line reads ``name: what: measured X (predicted Y, error%)``, the error being the
-prediction's against the measurement. It takes about a minute on an H100. Without a CUDA
-GPU it refuses in one line (exit 2); ``--cpu`` rehearses the same code on tiny shapes on
-this machine's CPU, priced as an H100 (figures mean nothing; the test suite runs it).
+prediction's against the measurement. Its sizes need seconds of GPU time (it has not yet
+run on a GPU). Without a CUDA GPU it refuses in one line (exit 2); ``--cpu`` rehearses the
+same code on tiny shapes on this machine's CPU, priced as an H100 (figures mean nothing;
+the test suite runs it).
 """
 
 from __future__ import annotations
