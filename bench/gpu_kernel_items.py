@@ -118,8 +118,8 @@ def swiglu(torch, dev: str, timer: Timer, cluster, h: int, d_ffs, token_counts, 
             def fwd():
                 return x + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
-            def fwd_bwd():
-                fwd().backward(g)
+            def fwd_bwd():  # gradients returned, not accumulated into .grad (no extra adds)
+                torch.autograd.grad(fwd(), (x, gate, up, down), g)
 
             kernels = swiglu_kernels(tmp, h, d_ff, tokens)
             flops = 3 * 2 * tokens * h * d_ff  # G5's count: the three matmuls
@@ -127,8 +127,6 @@ def swiglu(torch, dev: str, timer: Timer, cluster, h: int, d_ffs, token_counts, 
                 m_s, p_s = timer(fn), predicted_s(cluster, kernels[which], "bf16")
                 yield line("G5 swiglu", f"d_ff {d_ff}, {tokens} tokens, {which}", mult * flops / m_s / 1e12,
                            mult * flops / p_s / 1e12, "TFLOPS")
-            for t in (gate, up, down):
-                t.grad = None
 
 
 def memory_bound(torch, dev: str, timer: Timer, cluster, ln_shapes, scores):

@@ -60,6 +60,6 @@ def test_its_swiglu_prediction_is_validate_publisheds_g5():
             flops = 3 * 2 * 8192 * 4096 * d_ff
             tflops = flops / gki.predicted_s(cluster, kernels["fwd"], "bf16") / 1e12
             assert tflops == pytest.approx(rows[f"H100 SwiGLU MLP d_ff {d_ff}"], rel=1e-12)
-            # forward + backward: the catalogue's backward adds both weight and input
-            # gradients of the three matmuls, twice the forward's flops
+            # forward + backward: the three matmuls' weight and input gradients, the
+            # product's two, SiLU's and the sum of the input's two gradients
             assert len(kernels["fwd+bwd"]) == len(kernels["fwd"]) + 10
